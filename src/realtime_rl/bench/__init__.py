@@ -1,0 +1,53 @@
+"""The code behind `rtrl bench NAME`: each benchmark is a module with `run(quick) -> metrics`.
+
+`run_benchmark` wraps the metrics as `{"name", "metrics", "env"}`; benchmarks/BENCHMARKS.md records
+the figures with the command, machine and date. Nothing in the runtime package imports this.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCHMARKS = {
+    "parity": "our Qwen3 / Qwen3-MoE logits against transformers', both load directions",
+}
+
+
+def environment() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "commit": commit,
+    }
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def run_benchmark(name: str, quick: bool = False) -> dict[str, Any]:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; choose from: {', '.join(sorted(BENCHMARKS))}")
+    module = importlib.import_module(f"realtime_rl.bench.{name}")
+    metrics = module.run(quick=quick)
+    return {"name": name, "metrics": metrics, "env": environment()}

@@ -1,0 +1,202 @@
+"""Typed configuration: one pydantic root per process, loaded from TOML recipes in `configs/`.
+
+Every field has a docstring and bounds; unknown keys are rejected so a typo in a recipe fails loudly.
+`load_config(cls, path, overrides)` reads a TOML file (or the class defaults when `path` is None) and
+applies `--set a.b=value` overrides, whose values are parsed as TOML literals (`lr=3e-4`,
+`model.num_experts=8`, `name="x"`), falling back to a bare string.
+
+This module imports nothing of ours and no torch: recipes are validated without loading a model.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class StrictModel(BaseModel):
+    """Base for every config: unknown keys are an error, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(StrictModel):
+    """Architecture of a Qwen3-family transformer (dense, or MoE when `num_experts > 0`).
+
+    Field names and meanings are those of transformers' `Qwen3Config` / `Qwen3MoeConfig`, so the
+    object round-trips through a checkpoint's `config.json`.
+    """
+
+    vocab_size: int = Field(4096, ge=8, le=1_048_576)
+    """Rows of the embedding and of the LM head (may exceed the tokenizer's size, as in Qwen3)."""
+    hidden_size: int = Field(128, ge=8, le=65_536)
+    """Width of the residual stream."""
+    intermediate_size: int = Field(384, ge=8, le=262_144)
+    """Hidden width of the dense SwiGLU MLP (dense layers of an MoE model use it too)."""
+    num_hidden_layers: int = Field(4, ge=1, le=512)
+    """Number of decoder layers."""
+    num_attention_heads: int = Field(4, ge=1, le=512)
+    """Query heads."""
+    num_key_value_heads: int = Field(2, ge=1, le=512)
+    """Key/value heads (grouped-query attention); must divide `num_attention_heads`."""
+    head_dim: int = Field(32, ge=4, le=1024)
+    """Width of one attention head (Qwen3 sets it explicitly, independent of hidden_size)."""
+    max_position_embeddings: int = Field(4096, ge=16, le=4_194_304)
+    """Longest sequence the model is meant to see."""
+    rms_norm_eps: float = Field(1e-6, gt=0, le=1e-2)
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = Field(1_000_000.0, gt=0)
+    """RoPE base frequency."""
+    attention_bias: bool = False
+    """Bias on the q/k/v/o projections."""
+    tie_word_embeddings: bool = True
+    """Share the embedding matrix with the LM head."""
+    initializer_range: float = Field(0.02, gt=0, le=1.0)
+    """Std of the normal init of linear and embedding weights."""
+    # MoE (Qwen3-MoE); num_experts == 0 means a dense Qwen3 model.
+    num_experts: int = Field(0, ge=0, le=4096)
+    """Routed experts per MoE layer; 0 builds a dense model."""
+    num_experts_per_tok: int = Field(2, ge=1, le=64)
+    """Top-k experts each token is routed to."""
+    moe_intermediate_size: int = Field(128, ge=8, le=262_144)
+    """Hidden width of one expert's SwiGLU."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k router probabilities to sum to one."""
+    decoder_sparse_step: int = Field(1, ge=1, le=512)
+    """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers)."""
+    mlp_only_layers: list[int] = Field(default_factory=list)
+    """Layers that use the dense MLP even in an MoE model."""
+    router_aux_loss_coef: float = Field(0.001, ge=0)
+    """Load-balancing loss weight (kept for config.json fidelity; the RL trainer may use it)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id (Qwen3 uses none)."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence token id(s)."""
+    pad_token_id: int | None = None
+    """Padding token id."""
+    torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are stored in."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.is_moe
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers, in order; routing records use this order."""
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.is_moe and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are outside 0..{self.num_hidden_layers - 1}")
+        return self
+
+
+class TokenizerTrainConfig(StrictModel):
+    """How the local byte-level BPE tokenizer is trained."""
+
+    vocab_size: int = Field(4096, ge=300, le=262_144)
+    """Total vocabulary including the 256 byte symbols and the special tokens."""
+    corpus_documents: int = Field(4000, ge=10, le=10_000_000)
+    """Documents of generated code and chat transcripts to train on."""
+    seed: int = 0
+    """Seed of the corpus generator."""
+
+
+class DemoConfig(StrictModel):
+    """`rtrl demo`: the most complete end-to-end job the code can run today."""
+
+    run_dir: Path = Path("runs/demo")
+    """Where the tokenizer, checkpoint and metrics are written."""
+    seed: int = 0
+    """Seed for weights, corpus and sampling."""
+    tokenizer: TokenizerTrainConfig = Field(default_factory=TokenizerTrainConfig)
+    """Tokenizer training."""
+    model: ModelConfig = Field(
+        default_factory=lambda: ModelConfig(num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    )
+    """Architecture of the model the demo builds (MoE by default, to exercise router replay)."""
+    max_new_tokens: int = Field(24, ge=1, le=4096)
+    """Tokens generated for the demo prompt."""
+
+
+T = TypeVar("T", bound=BaseModel)
+
+# Which root each recipe folder under configs/ holds; a test parses every recipe with it.
+RECIPE_ROOTS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig,
+    "demo": DemoConfig,
+}
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` strings to a nested dict (in place) and return it."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {key}: {part!r} is a value, not a table")
+            node = child
+        node[leaf] = _parse_value(raw.strip())
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Build `cls` from a TOML recipe (or defaults) plus `--set` overrides; raises ValueError on bad input."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML: {e}") from None
+    apply_overrides(data, overrides or [])
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        where = f"{path}: " if path is not None else ""
+        raise ValueError(where + format_validation_error(e)) from None
+
+
+def format_validation_error(e: ValidationError) -> str:
+    """One line per problem, joined: `model.num_experts: Input should be greater than or equal to 0`."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()
+    )

@@ -1,0 +1,24 @@
+"""The Qwen3-family model (dense and MoE) with routing capture/replay, HF checkpoints, tokenizer, chat format.
+
+Public API (later stages import only these names):
+
+    load_checkpoint(path, device=None, dtype=None) -> Checkpoint(model, tokenizer, config, path, generation_config)
+    save_checkpoint(path, model, tokenizer=None, generation_config=None)
+    Qwen3ForCausalLM(config)(input_ids_BT, positions_BT, kv_cache=, cache_slots=, capture_routing=, replay_routing=)
+    KVCache(config, num_slots, max_seq_len, dtype, device)
+    Tokenizer.train / from_dir / encode / decode / encode_chat
+    render_messages, parse_assistant, CHAT_TEMPLATE
+"""
+
+from realtime_rl.model.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, parse_assistant, render_messages
+from realtime_rl.model.checkpoint import Checkpoint, config_from_hf, config_to_hf, load_checkpoint, save_checkpoint
+from realtime_rl.model.corpus import generate_corpus
+from realtime_rl.model.kv_cache import KVCache
+from realtime_rl.model.qwen3 import ModelOutput, Qwen3ForCausalLM, routing_dtype
+from realtime_rl.model.tokenizer import Tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE", "SPECIAL_TOKENS", "Checkpoint", "KVCache", "ModelOutput", "Qwen3ForCausalLM", "Tokenizer",
+    "config_from_hf", "config_to_hf", "generate_corpus", "load_checkpoint", "parse_assistant", "render_messages",
+    "routing_dtype", "save_checkpoint",
+]

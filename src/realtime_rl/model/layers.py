@@ -1,0 +1,119 @@
+"""Building blocks of the Qwen3 decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Numerics follow transformers' Qwen3 exactly where it matters for parity: RMSNorm in fp32 then cast
+back, QK-norm per head before RoPE, rotate-half RoPE with cos/sin computed in fp32.
+
+Attention has two modes. Full-sequence (`kv_cache=None`): each batch row is one sequence, causal by
+index; this is what the trainer uses. Cached (`kv_cache` given): the new keys/values are written into
+the cache at `positions` of the rows' `cache_slots`, and each query attends to every cached key at a
+position <= its own; this serves prefill, decode and ragged batches alike (the engine uses it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from realtime_rl.config import ModelConfig
+from realtime_rl.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed on the fly from integer positions, so any position layout works.
+
+    The inverse frequencies are recomputed in fp32 each call (a few dozen flops) rather than kept as
+    a buffer, which `model.to(torch.bfloat16)` would round.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions_BT.device).float()
+        inv_freq_F = 1.0 / (self.theta ** (exponents / self.head_dim))
+        freqs_BTF = positions_BT.float()[..., None] * inv_freq_F
+        emb_BTD = torch.cat((freqs_BTF, freqs_BTF), dim=-1)
+        return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return x_BHTD * cos + _rotate_half(x_BHTD) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BTC: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        positions_BT: torch.Tensor,
+        kv_cache: KVCache | None,
+        cache_slots_B: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, T, _ = x_BTC.shape
+        q_BHTD = self.q_norm(self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k_BHTD = self.k_norm(self.k_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v_BHTD = self.v_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos_sin
+        q_BHTD = apply_rope(q_BHTD, cos, sin)
+        k_BHTD = apply_rope(k_BHTD, cos, sin)
+
+        if kv_cache is None:
+            out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=True, enable_gqa=True)
+        else:
+            assert cache_slots_B is not None, "cached attention needs cache_slots"
+            k_BHSD, v_BHSD = kv_cache.update(self.layer_idx, cache_slots_B, positions_BT, k_BHTD, v_BHTD)
+            key_pos_S = torch.arange(k_BHSD.shape[2], device=x_BTC.device)
+            mask_B1TS = (key_pos_S[None, None, None, :] <= positions_BT[:, None, :, None])
+            out_BHTD = F.scaled_dot_product_attention(
+                q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS, enable_gqa=True
+            )
+        return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,95 @@
+"""Qwen3-MoE sparse block with routing capture and replay (R3, "rollout routing replay").
+
+Routing: router logits -> softmax in fp32 -> top-k -> (optionally) renormalize the k probabilities.
+Every forward returns the chosen expert indices, ordered as top-k ordered them. Under replay the
+indices come from a record instead of top-k, and the mixing weights are the router's own softmax
+probabilities gathered at those indices (renormalized the same way), so the output is a function of
+the current router weights and gradients still reach the router, while the discrete choice is exactly
+the one inference made.
+
+Expert weights are stored fused, as in transformers >= 5: `gate_up_proj` [E, 2I, H] (gate rows
+first) and `down_proj` [E, H, I]; checkpoints hold the per-expert tensors the Hub format uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from realtime_rl.config import ModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(
+        self, x_NC: torch.Tensor, replay_NK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (mixing weights [N, k] in x's dtype, expert indices [N, k] int64)."""
+        probs_NE = F.softmax(F.linear(x_NC, self.weight), dim=-1, dtype=torch.float32)
+        if replay_NK is None:
+            weights_NK, indices_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        else:
+            indices_NK = replay_NK.long()
+            if indices_NK.shape != (x_NC.shape[0], self.top_k):
+                raise ValueError(
+                    f"replayed routing has shape {tuple(indices_NK.shape)}, expected ({x_NC.shape[0]}, {self.top_k})"
+                )
+            if indices_NK.numel() and (int(indices_NK.min()) < 0 or int(indices_NK.max()) >= probs_NE.shape[1]):
+                raise ValueError(f"replayed routing names an expert outside 0..{probs_NE.shape[1] - 1}")
+            weights_NK = probs_NE.gather(1, indices_NK)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        return weights_NK.to(x_NC.dtype), indices_NK
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x_NC: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+        out_NC = torch.zeros_like(x_NC)
+        # One pass per expert that received tokens: gather its tokens, run its SwiGLU, scatter-add back.
+        token_idx_M, slot_idx_M = torch.nonzero(indices_NK >= 0, as_tuple=True)
+        expert_of_M = indices_NK[token_idx_M, slot_idx_M]
+        order = torch.argsort(expert_of_M, stable=True)
+        token_idx_M, slot_idx_M, expert_of_M = token_idx_M[order], slot_idx_M[order], expert_of_M[order]
+        counts = torch.bincount(expert_of_M, minlength=self.num_experts).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tok = token_idx_M[start : start + count]
+            slot = slot_idx_M[start : start + count]
+            start += count
+            gate, up = F.linear(x_NC[tok], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out_NC.index_add_(0, tok, y * weights_NK[tok, slot, None])
+        return out_NC
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+
+    def forward(
+        self, x_BTC: torch.Tensor, replay_BTK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (output [B, T, C], chosen experts [B, T, k] int64)."""
+        B, T, C = x_BTC.shape
+        x_NC = x_BTC.reshape(B * T, C)
+        replay_NK = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
+        weights_NK, indices_NK = self.gate(x_NC, replay_NK)
+        out_NC = self.experts(x_NC, indices_NK, weights_NK)
+        return out_NC.view(B, T, C), indices_NK.view(B, T, -1)

@@ -1,0 +1,20 @@
+"""Process-wide logging: rich on a terminal, plain lines otherwise; `RTRL_LOG_LEVEL` overrides the level."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from rich.logging import RichHandler
+
+
+def setup_logging(level: str | int = "INFO") -> None:
+    level = os.environ.get("RTRL_LOG_LEVEL", level)
+    if sys.stderr.isatty():
+        handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        fmt = "%(message)s"
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt, handlers=[handler], force=True)
