@@ -1,0 +1,96 @@
+"""The tool-call parser: well-formed calls come out in the OpenAI shape; malformed ones are reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from realtime_rl.model import parse_assistant, render_messages
+from realtime_rl.types import ChatMessage
+
+TOOLS = [
+    {"type": "function", "function": {"name": "edit_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}},
+        "required": ["path", "old", "new"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "submit", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def call(body: str) -> str:
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def test_content_and_several_calls():
+    text = "I will edit it.\n" + call('{"name": "edit_file", "arguments": {"path": "a.py", "old": "x", "new": "y"}}') \
+        + "\n" + call('{"name": "submit", "arguments": {}}')
+    parsed = parse_assistant(text, TOOLS)
+    assert parsed.ok and parsed.content == "I will edit it."
+    assert [c.function.name for c in parsed.tool_calls] == ["edit_file", "submit"]
+    assert json.loads(parsed.tool_calls[0].function.arguments) == {"path": "a.py", "old": "x", "new": "y"}
+    assert len({c.id for c in parsed.tool_calls}) == 2
+
+
+def test_plain_text_has_no_calls():
+    parsed = parse_assistant("Just an answer.", TOOLS)
+    assert parsed.ok and parsed.content == "Just an answer." and parsed.tool_calls == []
+
+
+@pytest.mark.parametrize("text, kind, fragment", [
+    (call('{"name": "submit", "arguments": {}'), "bad_json", "not valid JSON"),
+    (call('["submit"]'), "not_an_object", "JSON object"),
+    (call('{"arguments": {}}'), "missing_name", '"name"'),
+    (call('{"name": "delete_repo", "arguments": {}}'), "unknown_tool", "unknown tool 'delete_repo'"),
+    (call('{"name": "submit"}'), "missing_arguments", '"arguments"'),
+    (call('{"name": "edit_file", "arguments": {"path": "a.py"}}'), "missing_arguments", "old, new"),
+    (call('{"name": "edit_file", "arguments": [1]}'), "bad_arguments", "must be an object"),
+    (call('{"name": "edit_file", "arguments": {"path": "a", "old": "b", "new": "c", "force": true}}'),
+     "bad_arguments", "force"),
+    ('<tool_call>\n{"name": "submit", "arguments": {}}', "unclosed", "never closed"),
+    ('text </tool_call>', "unopened", "without a matching"),
+])
+def test_malformed_calls_are_reported_precisely(text, kind, fragment):
+    parsed = parse_assistant(text, TOOLS)
+    assert not parsed.ok and parsed.tool_calls == []
+    assert parsed.errors[0].kind == kind
+    assert fragment in parsed.errors[0].message
+
+
+def test_a_bad_call_does_not_hide_a_good_one():
+    text = call("{oops") + call('{"name": "submit", "arguments": {}}')
+    parsed = parse_assistant(text, TOOLS)
+    assert [e.index for e in parsed.errors] == [0]
+    assert parsed.tool_calls[0].function.name == "submit" and parsed.tool_calls[0].id == "call_1"
+
+
+def test_arguments_given_as_a_json_string_are_accepted():
+    parsed = parse_assistant(call('{"name": "submit", "arguments": "{}"}'), TOOLS)
+    assert parsed.ok and parsed.tool_calls[0].function.arguments == "{}"
+
+
+def test_without_tools_any_name_is_accepted():
+    parsed = parse_assistant(call('{"name": "anything", "arguments": {"a": 1}}'))
+    assert parsed.ok and parsed.tool_calls[0].function.name == "anything"
+
+
+def test_render_then_parse_round_trips_an_assistant_turn():
+    msg = ChatMessage.model_validate({"role": "assistant", "content": "Editing.", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "edit_file",
+         "arguments": json.dumps({"path": "a.py", "old": "1", "new": "2"})}}]})
+    text = render_messages([msg])
+    body = text.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
+    parsed = parse_assistant(body, TOOLS)
+    assert parsed.ok and parsed.content == "Editing."
+    assert parsed.tool_calls == msg.tool_calls
+
+
+_PIECES = ["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"arguments"', "[", '"', "x", "\n", " ", "submit"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=40).map("".join) | st.text(max_size=80))
+def test_parser_never_raises_on_garbage(text):
+    parsed = parse_assistant(text, TOOLS)
+    assert len(parsed.tool_calls) + len(parsed.errors) <= text.count("<tool_call>") + text.count("</tool_call>")

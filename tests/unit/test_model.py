@@ -1,0 +1,149 @@
+"""The model's two modes agree, and routing capture/replay does what the trainer relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from realtime_rl.model import KVCache, Qwen3ForCausalLM
+from tests.conftest import tiny_config
+
+
+def _ids(B=2, T=12, V=512, seed=0):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_kv_cache_prefill_then_decode_matches_full_sequence(tiny_policy):
+    ids = _ids()
+    B, T = ids.shape
+    with torch.no_grad():
+        full = tiny_policy(ids).logits_BTV
+        cache = KVCache(tiny_policy.config, num_slots=4, max_seq_len=32)
+        slots = torch.tensor([2, 0])  # any slots, in any order
+        pos = torch.arange(T).expand(B, T)
+        parts = [tiny_policy(ids[:, :5], pos[:, :5], kv_cache=cache, cache_slots=slots).logits_BTV]
+        for t in range(5, T):
+            parts.append(tiny_policy(ids[:, t:t + 1], pos[:, t:t + 1], kv_cache=cache, cache_slots=slots).logits_BTV)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_ragged_batch_decode_matches_each_sequence_alone(tiny_policy):
+    """Rows at different positions share one decode step (continuous batching)."""
+    a, b = _ids(1, 9, seed=1)[0], _ids(1, 4, seed=2)[0]
+    cache = KVCache(tiny_policy.config, num_slots=2, max_seq_len=16)
+    with torch.no_grad():
+        tiny_policy(a[None, :8], torch.arange(8)[None], kv_cache=cache, cache_slots=torch.tensor([0]))
+        tiny_policy(b[None, :3], torch.arange(3)[None], kv_cache=cache, cache_slots=torch.tensor([1]))
+        step = tiny_policy(torch.stack([a[8:9], b[3:4]]), torch.tensor([[8], [3]]), kv_cache=cache,
+                           cache_slots=torch.tensor([0, 1])).logits_BTV
+        alone_a = tiny_policy(a[None]).logits_BTV[0, -1]
+        alone_b = tiny_policy(b[None]).logits_BTV[0, -1]
+    torch.testing.assert_close(step[0, 0], alone_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step[1, 0], alone_b, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_rejects_overflow(tiny_policy):
+    cache = KVCache(tiny_policy.config, num_slots=1, max_seq_len=4)
+    with pytest.raises(ValueError, match="exceeds the KV cache length"):
+        tiny_policy(_ids(1, 5), torch.arange(5)[None], kv_cache=cache, cache_slots=torch.tensor([0]))
+
+
+def test_copy_prefix_shares_a_prefill(tiny_policy):
+    ids = _ids(1, 10)
+    cache = KVCache(tiny_policy.config, num_slots=2, max_seq_len=16)
+    with torch.no_grad():
+        tiny_policy(ids[:, :9], torch.arange(9)[None], kv_cache=cache, cache_slots=torch.tensor([0]))
+        cache.copy_prefix(0, 1, 9)
+        out = tiny_policy(ids[:, 9:].repeat(2, 1), torch.tensor([[9], [9]]), kv_cache=cache,
+                          cache_slots=torch.tensor([0, 1])).logits_BTV
+    torch.testing.assert_close(out[0], out[1])
+
+
+def test_capture_then_replay_gives_identical_logits(tiny_moe):
+    ids = _ids()
+    with torch.no_grad():
+        captured = tiny_moe(ids, capture_routing=True)
+        replayed = tiny_moe(ids, replay_routing=captured.routing_BTLK)
+    B, T = ids.shape
+    assert captured.routing_BTLK.shape == (B, T, 3, 2)
+    assert captured.routing_BTLK.dtype == torch.uint8
+    assert torch.equal(captured.logits_BTV, replayed.logits_BTV)
+
+
+def test_topk_order_is_recorded_in_rank_order(tiny_moe):
+    ids = _ids()
+    with torch.no_grad():
+        routing = tiny_moe(ids, capture_routing=True).routing_BTLK
+        x = tiny_moe.model.embed_tokens(ids)
+        layer0 = tiny_moe.model.layers[0]
+        cos_sin = tiny_moe.model.rotary_emb(torch.arange(ids.shape[1]).expand_as(ids), x.dtype)
+        h = x + layer0.self_attn(layer0.input_layernorm(x), cos_sin, torch.arange(ids.shape[1]).expand_as(ids), None, None)
+        probs = torch.softmax(layer0.mlp.gate.weight @ layer0.post_attention_layernorm(h).transpose(1, 2), dim=1)
+    top = probs.transpose(1, 2).topk(2, dim=-1).indices
+    assert torch.equal(routing[:, :, 0].long(), top)
+
+
+def test_replay_after_weight_change_routes_exactly_as_recorded(tiny_moe):
+    ids = _ids()
+    with torch.no_grad():
+        before = tiny_moe(ids, capture_routing=True).routing_BTLK
+        for layer in tiny_moe.model.layers:  # a large change of every router and expert
+            layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
+        free = tiny_moe(ids, capture_routing=True).routing_BTLK
+        forced = tiny_moe(ids, replay_routing=before, capture_routing=True).routing_BTLK
+    assert not torch.equal(free, before), "the perturbation should change free routing"
+    assert torch.equal(forced, before)
+
+
+def test_gradients_reach_the_router_under_replay(tiny_moe):
+    tiny_moe.train()
+    ids = _ids()
+    with torch.no_grad():
+        routing = tiny_moe(ids, capture_routing=True).routing_BTLK
+    out = tiny_moe(ids, replay_routing=routing)
+    out.logits_BTV.logsumexp(-1).mean().backward()
+    for layer in tiny_moe.model.layers:
+        grad = layer.mlp.gate.weight.grad
+        assert grad is not None and grad.abs().sum() > 0
+
+
+def test_capture_agrees_between_cached_and_full_sequence_modes(tiny_moe):
+    ids = _ids()
+    B, T = ids.shape
+    with torch.no_grad():
+        full = tiny_moe(ids, capture_routing=True).routing_BTLK
+        cache = KVCache(tiny_moe.config, num_slots=B, max_seq_len=T)
+        slots, pos = torch.arange(B), torch.arange(T).expand(B, T)
+        parts = [tiny_moe(ids[:, :7], pos[:, :7], kv_cache=cache, cache_slots=slots, capture_routing=True).routing_BTLK]
+        for t in range(7, T):
+            parts.append(tiny_moe(ids[:, t:t + 1], pos[:, t:t + 1], kv_cache=cache, cache_slots=slots,
+                                  capture_routing=True).routing_BTLK)
+    assert torch.equal(torch.cat(parts, dim=1), full)
+
+
+def test_replay_rejects_bad_records(tiny_moe):
+    ids = _ids()
+    with torch.no_grad():
+        routing = tiny_moe(ids, capture_routing=True).routing_BTLK
+        with pytest.raises(ValueError, match="expected"):
+            tiny_moe(ids[:, :5], replay_routing=routing)
+        bad = routing.clone()
+        bad[0, 0, 0, 0] = 200
+        with pytest.raises(ValueError, match="outside"):
+            tiny_moe(ids, replay_routing=bad)
+
+
+def test_sparse_step_and_mlp_only_layers_build_dense_layers():
+    model = Qwen3ForCausalLM(tiny_config(moe=True, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert [layer.is_moe for layer in model.model.layers] == [False, True, False, False]
+    out = model(_ids(), capture_routing=True)
+    assert out.routing_BTLK.shape[2] == 1
+
+
+def test_bf16_forward_runs_and_tracks_fp32(tiny_policy):
+    ids = _ids()
+    with torch.no_grad():
+        ref = tiny_policy(ids).logits_BTV
+        low = tiny_policy.to(torch.bfloat16)(ids).logits_BTV.float()
+    assert low.dtype == torch.float32 and torch.isfinite(low).all()
+    assert (low - ref).abs().max() < 0.1 * ref.abs().max()
