@@ -1,0 +1,32 @@
+"""Opt-in (`pytest -m gpu`): the model's modes and router replay on CUDA, in bf16 and fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from realtime_rl.model import KVCache, Qwen3ForCausalLM
+from tests.conftest import tiny_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cached_decode_tracks_full_sequence_on_cuda(dtype):
+    model = Qwen3ForCausalLM(tiny_config(moe=True)).to("cuda", dtype).eval()
+    ids = torch.randint(0, 512, (2, 16), device="cuda")
+    with torch.no_grad():
+        full = model(ids, capture_routing=True)
+        cache = KVCache(model.config, 2, 16, dtype=dtype, device="cuda")
+        pos = torch.arange(16, device="cuda").expand(2, 16)
+        slots = torch.arange(2, device="cuda")
+        a = model(ids[:, :8], pos[:, :8], kv_cache=cache, cache_slots=slots, capture_routing=True)
+        b = model(ids[:, 8:], pos[:, 8:], kv_cache=cache, cache_slots=slots, capture_routing=True)
+        replay = model(ids, replay_routing=torch.cat([a.routing_BTLK, b.routing_BTLK], 1))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    got = torch.cat([a.logits_BTV, b.logits_BTV], 1).float()
+    assert (got - full.logits_BTV.float()).abs().max() <= tol * full.logits_BTV.float().abs().max()
+    assert (replay.logits_BTV.float() - got).abs().max() <= tol * got.abs().max()
