@@ -6,8 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH  := torch==2.13.0
-# Debian packages the sandbox and tests use; installed with apt-get where missing.
-DEBS   := bubblewrap
+# Debian packages the sandbox and tests use; installed with apt-get where missing. The sandbox runs
+# untrusted code with Debian's own python3 and pytest (never the project's .venv).
+DEBS   := bubblewrap python3-pytest
 
 .PHONY: demo test test-all system-deps clean
 

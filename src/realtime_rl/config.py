@@ -126,6 +126,31 @@ class TokenizerTrainConfig(StrictModel):
     """Seed of the corpus generator."""
 
 
+class SandboxConfig(StrictModel):
+    """Limits and isolation of the sandbox that runs untrusted code (tests, agent commands)."""
+
+    isolation: Literal["auto", "full", "weak"] = "auto"
+    """auto: the strongest tier the machine allows; full: bubblewrap namespaces or fail; weak: uid + rlimits + seccomp."""
+    wall_s: float = Field(10.0, gt=0, le=3600)
+    """Wall-clock limit of one run; the whole process tree is killed when it passes."""
+    cpu_s: int = Field(10, ge=1, le=3600)
+    """CPU-time rlimit (RLIMIT_CPU) of one run."""
+    memory_mb: int = Field(512, ge=16, le=65_536)
+    """Address-space rlimit, and the cgroup memory limit where the cgroup tree is writable."""
+    max_procs: int = Field(64, ge=1, le=4096)
+    """Process/thread limit (RLIMIT_NPROC, and cgroup pids.max where writable)."""
+    file_size_mb: int = Field(16, ge=1, le=4096)
+    """Largest file a run may write (RLIMIT_FSIZE)."""
+    open_files: int = Field(256, ge=16, le=65_536)
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    workspace_mb: int = Field(64, ge=1, le=65_536)
+    """Size of the tmpfs the workspace lives on."""
+    output_bytes: int = Field(65_536, ge=1024, le=64 * 1024 * 1024)
+    """stdout and stderr are each truncated to this many bytes (the run records that it was truncated)."""
+    pool_size: int = Field(2, ge=1, le=256)
+    """Warm interpreters kept ready for fast test runs."""
+
+
 class DemoConfig(StrictModel):
     """`rtrl demo`: the most complete end-to-end job the code can run today."""
 
@@ -149,6 +174,7 @@ T = TypeVar("T", bound=BaseModel)
 RECIPE_ROOTS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
     "demo": DemoConfig,
+    "sandbox": SandboxConfig,
 }
 
 

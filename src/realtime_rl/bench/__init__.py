@@ -18,6 +18,7 @@ import torch
 
 BENCHMARKS = {
     "parity": "our Qwen3 / Qwen3-MoE logits against transformers', both load directions",
+    "sandbox": "cold and warm sandboxed test runs: latency, throughput, isolation level, escapes contained",
 }
 
 

@@ -1,0 +1,121 @@
+"""Task directories in the Exercism layout, read as they are.
+
+    <slug>/.docs/instructions.md          what to build (optional .docs/instructions.append.md)
+    <slug>/<module>.py                    the stub the agent edits
+    <slug>/<module>_test.py               the visible tests (pytest or unittest)
+    <slug>/.meta/example.py               a reference solution
+    <slug>/.meta/config.json              {"files": {"solution": [...], "test": [...], "example": [...]}}
+
+Synthetic tasks (environments/synthetic.py) use the same layout plus optional keys in
+`.meta/config.json`: `files.hidden_test` (tests only simulated users and graders see, under `.meta/`),
+`files.novice` (buggy variants of the solution, under `.meta/`) and an `rtrl` object with metadata
+(split, difficulty, structure). `load_tasks(path)` reads one task or a folder of them.
+
+A task's *workspace* is what the agent starts with: the stubs and the visible tests (and any other
+plain file at the top level). `.meta/` and `.docs/` never enter a workspace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    """The directory name (Exercism slug)."""
+    path: Path
+    instructions: str
+    """instructions.md, plus instructions.append.md when present."""
+    solution_files: tuple[str, ...]
+    """Files the agent is meant to edit, relative to the task directory."""
+    test_files: tuple[str, ...]
+    """Visible tests, relative to the task directory."""
+    example_files: tuple[str, ...]
+    """Reference solutions; example_files[i] is the content for solution_files[i]."""
+    hidden_test_files: tuple[str, ...] = ()
+    """Tests under .meta/ that the agent never sees (synthetic tasks)."""
+    novice_files: tuple[str, ...] = ()
+    """Buggy variants of solution_files[0] under .meta/ (synthetic tasks)."""
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    """The `rtrl` object of .meta/config.json (split, difficulty, ...), or {}."""
+
+    def read(self, rel: str) -> str:
+        return (self.path / rel).read_text()
+
+    def workspace(self) -> dict[str, str]:
+        """The files the agent starts with: every top-level file (stubs, visible tests, helpers)."""
+        return {p.name: p.read_text() for p in sorted(self.path.iterdir())
+                if p.is_file() and not p.name.startswith(".")}
+
+    def reference_solution(self) -> dict[str, str]:
+        """solution file name -> reference content."""
+        return {sol: self.read(ex) for sol, ex in zip(self.solution_files, self.example_files)}
+
+    def pristine_tests(self) -> dict[str, str]:
+        """Visible tests as the task ships them: what grading uses, whatever the agent did to its copies."""
+        return {rel: self.read(rel) for rel in self.test_files}
+
+    def hidden_tests(self) -> dict[str, str]:
+        """Hidden tests under their own base names, ready to drop into a grading workspace."""
+        return {Path(rel).name: self.read(rel) for rel in self.hidden_test_files}
+
+
+def is_task_dir(path: Path) -> bool:
+    return (path / ".meta" / "config.json").is_file()
+
+
+def load_task(path: str | Path) -> Task:
+    path = Path(path)
+    config_file = path / ".meta" / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path}: not a task directory (no .meta/config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: invalid JSON: {e}") from None
+    files = config.get("files") or {}
+    for key in ("solution", "test", "example"):
+        if not files.get(key):
+            raise ValueError(f"{config_file}: files.{key} is missing or empty")
+    instructions_file = path / ".docs" / "instructions.md"
+    if not instructions_file.is_file():
+        raise ValueError(f"{path}: no .docs/instructions.md")
+    instructions = instructions_file.read_text()
+    append = path / ".docs" / "instructions.append.md"
+    if append.is_file():
+        instructions = instructions.rstrip("\n") + "\n\n" + append.read_text()
+    task = Task(
+        task_id=path.name,
+        path=path,
+        instructions=instructions,
+        solution_files=tuple(files["solution"]),
+        test_files=tuple(files["test"]),
+        example_files=tuple(files["example"]),
+        hidden_test_files=tuple(files.get("hidden_test", [])),
+        novice_files=tuple(files.get("novice", [])),
+        metadata=config.get("rtrl") or {},
+    )
+    listed = [*task.solution_files, *task.test_files, *task.example_files, *task.hidden_test_files, *task.novice_files]
+    missing = [rel for rel in listed if not (path / rel).is_file()]
+    if missing:
+        raise ValueError(f"{path}: .meta/config.json lists files that do not exist: {', '.join(missing)}")
+    if len(task.example_files) > len(task.solution_files):
+        raise ValueError(f"{path}: more example files than solution files")
+    return task
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """One task directory, or every task directory directly inside `path`, sorted by id."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"task path not found or not a directory: {path}")
+    if is_task_dir(path):
+        return [load_task(path)]
+    tasks = [load_task(p) for p in sorted(path.iterdir()) if p.is_dir() and is_task_dir(p)]
+    if not tasks:
+        raise ValueError(f"{path}: no task directories (folders with .meta/config.json)")
+    return tasks
