@@ -151,6 +151,35 @@ class SandboxConfig(StrictModel):
     """Warm interpreters kept ready for fast test runs."""
 
 
+class AgentConfig(StrictModel):
+    """The multi-turn agent loop: turn limits, token budgets and self-summarization."""
+
+    max_turns: int = Field(50, ge=1, le=1000)
+    """Assistant turns (each may hold several tool calls) before the episode is cut off."""
+    max_new_tokens: int = Field(512, ge=1, le=65_536)
+    """Tokens the policy may generate in one turn."""
+    summary_trigger_tokens: int = Field(3072, ge=64, le=4_194_304)
+    """When a segment's context passes this many tokens, the policy summarizes and the context restarts."""
+    max_summary_tokens: int = Field(256, ge=8, le=65_536)
+    """Tokens the policy may spend on one self-summary."""
+    max_context_tokens: int = Field(4096, ge=128, le=4_194_304)
+    """Hard limit of one segment (the model's window); the episode ends if even a fresh segment cannot fit."""
+    max_summaries: int = Field(8, ge=0, le=1000)
+    """Self-summaries allowed in one episode; 0 disables summarization."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature for the policy (0 is greedy)."""
+    test_timeout_s: float = Field(10.0, gt=0, le=600)
+    """Wall-clock limit of one run_tests call."""
+    max_observation_chars: int = Field(4000, ge=100, le=1_000_000)
+    """Tool outputs longer than this are truncated before the model sees them."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentConfig:
+        if self.summary_trigger_tokens >= self.max_context_tokens:
+            raise ValueError("summary_trigger_tokens must be below max_context_tokens")
+        return self
+
+
 class DemoConfig(StrictModel):
     """`rtrl demo`: the most complete end-to-end job the code can run today."""
 

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from realtime_rl.config import DemoConfig
 from realtime_rl.model import (
-    KVCache, Qwen3ForCausalLM, Tokenizer, generate_corpus, load_checkpoint, parse_assistant, render_messages,
+    Qwen3ForCausalLM, Tokenizer, generate, generate_corpus, load_checkpoint, parse_assistant, render_messages,
     save_checkpoint,
 )
 from realtime_rl.monitor import JsonlSink
@@ -36,33 +36,6 @@ TOOLS = [
         "name": "run_tests", "description": "Run the visible tests.",
         "parameters": {"type": "object", "properties": {}}}},
 ]
-
-
-@torch.no_grad()
-def greedy_decode(model: Qwen3ForCausalLM, prompt: list[int], max_new_tokens: int, stop_ids: list[int]
-                  ) -> tuple[list[int], list[float], torch.Tensor | None]:
-    """Prefill + token-by-token decode through the KV cache; returns tokens, logprobs, routing [T, L, k]."""
-    cache = KVCache(model.config, num_slots=1, max_seq_len=len(prompt) + max_new_tokens)
-    slots = torch.tensor([0])
-    ids = torch.tensor([prompt])
-    out = model(ids, torch.arange(len(prompt))[None], kv_cache=cache, cache_slots=slots, capture_routing=True)
-    routing = [out.routing_BTLK[0]] if out.routing_BTLK is not None else []
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    logits = out.logits_BTV[0, -1]
-    for step in range(max_new_tokens):
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        token = int(lp.argmax())
-        tokens.append(token)
-        logprobs.append(float(lp[token]))
-        if token in stop_ids or step == max_new_tokens - 1:
-            break
-        pos = torch.tensor([[len(prompt) + step]])
-        out = model(torch.tensor([[token]]), pos, kv_cache=cache, cache_slots=slots, capture_routing=True)
-        if out.routing_BTLK is not None:
-            routing.append(out.routing_BTLK[0])
-        logits = out.logits_BTV[0, -1]
-    return tokens, logprobs, (torch.cat(routing) if routing else None)
 
 
 def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, Any]:
@@ -103,7 +76,8 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     ]
     prompt = tokenizer.encode(render_messages(messages, TOOLS, add_generation_prompt=True))
     t0 = time.perf_counter()
-    tokens, logprobs, routing = greedy_decode(model, prompt, config.max_new_tokens, tokenizer.stop_token_ids)
+    gen = generate(model, prompt, config.max_new_tokens, tokenizer.stop_token_ids, temperature=0.0)
+    tokens, logprobs, routing = gen.token_ids, gen.raw_logprobs, gen.routing_TLK
     report["decode/tokens"] = len(tokens)
     report["decode/tokens_per_s"] = len(tokens) / (time.perf_counter() - t0)
 

@@ -9,8 +9,10 @@ This module imports nothing of ours and no torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -76,3 +78,72 @@ class ParsedAssistant(WireModel):
     def ok(self) -> bool:
         return not self.errors
 
+
+
+# ---------------------------------------------------------------------------------------------- trajectories
+# Trajectories travel from rollout workers to the trainer (pickled, or through Ray's object store),
+# so they are dataclasses of numpy arrays rather than pydantic models of lists.
+
+
+@dataclass
+class Segment:
+    """One self-contained token sequence of an episode: the context window between self-summaries.
+
+    Invariants: token_ids, loss_mask, logprobs and versions share one length T. loss_mask[t] is True
+    exactly for tokens the policy generated; logprobs[t] is the behaviour policy's logprob of token t
+    (0 where loss_mask is False); versions[t] is the policy version that generated token t (-1 for
+    context tokens). routing, when the policy is MoE, is [T, moe_layers, k]: row t is the routing of
+    position t as an input, as inference computed it (the last position may be zeros: it was never
+    an input).
+    """
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    routing: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        assert len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n, "segment arrays disagree"
+        assert self.routing is None or len(self.routing) == n, "routing length differs from token_ids"
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+EpisodeEnd = Literal["submit", "ask_user", "answer", "max_turns", "context_overflow"]
+
+
+@dataclass
+class Episode:
+    """A multi-turn agent episode: its segments share one reward (the episode's)."""
+
+    episode_id: str
+    task_id: str
+    segments: list[Segment]
+    ended_by: EpisodeEnd
+    num_turns: int
+    num_tool_calls: int
+    malformed_tool_calls: int
+    """Tool calls the parser rejected (bad JSON, unknown tool, missing arguments, ...)."""
+    tool_errors: int
+    """Well-formed calls that failed (file not found, edit text absent or ambiguous, ...)."""
+    passed: bool | None = None
+    """Grading outcome (pristine tests in a fresh sandbox); None until graded."""
+    reward: float | None = None
+    summary_lengths: list[int] = field(default_factory=list)
+    """Tokens of each self-summary, in order."""
+    question: str | None = None
+    """The clarifying question, when the episode ended with ask_user."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def succeeded_after_summary(self) -> bool | None:
+        """Whether an episode that summarized itself at least once went on to pass; None otherwise."""
+        return None if not self.summary_lengths or self.passed is None else self.passed

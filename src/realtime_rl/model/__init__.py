@@ -7,18 +7,22 @@ Public API (later stages import only these names):
     Qwen3ForCausalLM(config)(input_ids_BT, positions_BT, kv_cache=, cache_slots=, capture_routing=, replay_routing=)
     KVCache(config, num_slots, max_seq_len, dtype, device)
     Tokenizer.train / from_dir / encode / decode / encode_chat
-    render_messages, parse_assistant, CHAT_TEMPLATE
+    render_messages, parse_assistant, CHAT_TEMPLATE, render_tool_responses
+    generate(model, prompt_ids, max_new_tokens, stop_ids, temperature, top_p, seed) -> Generated
 """
 
-from realtime_rl.model.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, parse_assistant, render_messages
+from realtime_rl.model.chat import (
+    CHAT_TEMPLATE, SPECIAL_TOKENS, parse_assistant, render_messages, render_tool_responses,
+)
 from realtime_rl.model.checkpoint import Checkpoint, config_from_hf, config_to_hf, load_checkpoint, save_checkpoint
 from realtime_rl.model.corpus import generate_corpus
+from realtime_rl.model.generate import Generated, generate, sample_token
 from realtime_rl.model.kv_cache import KVCache
 from realtime_rl.model.qwen3 import ModelOutput, Qwen3ForCausalLM, routing_dtype
 from realtime_rl.model.tokenizer import Tokenizer
 
 __all__ = [
-    "CHAT_TEMPLATE", "SPECIAL_TOKENS", "Checkpoint", "KVCache", "ModelOutput", "Qwen3ForCausalLM", "Tokenizer",
-    "config_from_hf", "config_to_hf", "generate_corpus", "load_checkpoint", "parse_assistant", "render_messages",
+    "CHAT_TEMPLATE", "SPECIAL_TOKENS", "Checkpoint", "Generated", "generate", "sample_token", "KVCache", "ModelOutput", "Qwen3ForCausalLM", "Tokenizer",
+    "config_from_hf", "config_to_hf", "generate_corpus", "load_checkpoint", "parse_assistant", "render_messages", "render_tool_responses",
     "routing_dtype", "save_checkpoint",
 ]

@@ -140,6 +140,17 @@ def render_messages(
     return "".join(parts)
 
 
+def render_tool_responses(contents: Sequence[str], add_generation_prompt: bool = True) -> str:
+    """The text that follows an assistant turn ending in tool calls: one user turn of tool responses.
+
+    Identical to what render_messages emits for a run of `tool` messages (then the generation prompt),
+    so an agent loop can append observations as tokens without re-rendering the conversation.
+    """
+    body = "".join(f"\n{TOOL_RESPONSE_OPEN}\n{c}\n{TOOL_RESPONSE_CLOSE}" for c in contents)
+    text = f"{IM_START}user{body}{IM_END}\n"
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
 def tool_parameters(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """Map tool name -> its JSON-schema `parameters`, for OpenAI-style or bare function definitions."""
     out: dict[str, dict[str, Any]] = {}

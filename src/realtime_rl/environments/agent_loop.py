@@ -1,0 +1,207 @@
+"""The multi-turn agent loop: a policy reads a task, calls tools, and ends by submitting or asking.
+
+    result = run_episode(policy, tokenizer, task, runner, AgentConfig())
+    result.episode.segments      # token-exact segments for the trainer
+    result.workspace             # the files as the agent left them (grade them with grading.grade)
+
+One loop, top to bottom. Each turn the policy generates from the context tokens; the text is parsed
+into tool calls; malformed calls become error observations and are counted; well-formed calls run
+against the workspace; their outputs are appended as tokens. Training sees exactly the tokens the
+policy produced: the context is only ever extended with new tokens, never re-tokenized.
+
+Self-summarization: when a segment's context passes `summary_trigger_tokens`, the policy is asked to
+summarize its work; that summary (policy tokens, trained like any others) closes the segment and a
+new one starts from the system prompt, the task and the summary. All segments share the episode's
+reward. Not here: grading (grading.py), rewards (rewards/), batching of many episodes (rollout/).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from realtime_rl.config import AgentConfig
+from realtime_rl.environments.tasks import Task
+from realtime_rl.environments.tools import TOOL_SCHEMAS, TestRunner, Tools, Workspace
+from realtime_rl.model.chat import IM_END, IM_START, parse_assistant, render_messages, render_tool_responses
+from realtime_rl.model.tokenizer import Tokenizer
+from realtime_rl.types import Episode, EpisodeEnd, Segment
+
+SYSTEM_PROMPT = (
+    "You are a coding agent working in a small repository. Use the tools to read the files, write the "
+    "solution, run the tests, and submit when the tests pass."
+)
+SUMMARY_REQUEST = (
+    "Your context is full. Summarize your work so far for yourself: the task, what you changed, the last "
+    "test results, and what remains. Reply with the summary only."
+)
+SUMMARY_PREFIX = "Summary of your earlier work on this task:\n"
+
+
+@dataclass
+class PolicyOutput:
+    token_ids: list[int]
+    """Generated tokens, including the stop token when one was generated."""
+    logprobs: list[float]
+    """Behaviour logprob of each generated token."""
+    versions: list[int]
+    """Policy version that generated each token (weights may change mid-generation)."""
+    routing: np.ndarray | None = None
+    """MoE routing of every input position of this call: [len(context) + len(token_ids) - 1, layers, k]."""
+
+
+class Policy(Protocol):
+    """Anything that continues a token context: a scripted policy, the local model, the engine."""
+
+    def generate(self, context_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> PolicyOutput: ...
+
+
+@dataclass
+class EpisodeResult:
+    episode: Episode
+    workspace: Workspace
+
+
+@dataclass
+class _SegmentBuilder:
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)
+    routed: int = 0  # positions whose routing is recorded
+
+    def add_context(self, ids: list[int]) -> None:
+        self.token_ids += ids
+        self.loss_mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generated(self, out: PolicyOutput) -> None:
+        start = len(self.token_ids)
+        if out.routing is not None:
+            # Keep inference's routing for the positions this call computed that we have not recorded.
+            self.routing.append(np.asarray(out.routing[self.routed:]))
+            self.routed = start + len(out.token_ids) - 1
+        self.token_ids += out.token_ids
+        self.loss_mask += [True] * len(out.token_ids)
+        self.logprobs += out.logprobs
+        self.versions += out.versions
+
+    def build(self) -> Segment:
+        routing = None
+        if self.routing:
+            routing = np.concatenate(self.routing)
+            pad = len(self.token_ids) - len(routing)
+            if pad > 0:  # positions never fed to the model (the final tokens)
+                routing = np.concatenate([routing, np.zeros((pad, *routing.shape[1:]), routing.dtype)])
+        return Segment(
+            token_ids=np.asarray(self.token_ids, dtype=np.int32),
+            loss_mask=np.asarray(self.loss_mask, dtype=bool),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int32),
+            routing=routing,
+        )
+
+
+def task_prompt(task: Task) -> str:
+    files = ", ".join([*task.solution_files, *task.test_files])
+    return f"{task.instructions.strip()}\n\nFiles: {files}. The visible tests are in {', '.join(task.test_files)}."
+
+
+def run_episode(
+    policy: Policy,
+    tokenizer: Tokenizer,
+    task: Task,
+    runner: TestRunner | None,
+    config: AgentConfig,
+    episode_id: str | None = None,
+) -> EpisodeResult:
+    workspace = Workspace(task.workspace())
+    tools = Tools(workspace, task.test_files, runner, config.test_timeout_s, config.max_observation_chars)
+    stop_ids = tokenizer.stop_token_ids
+    assistant_prompt = tokenizer.encode(f"{IM_START}assistant\n")
+    turn_end = tokenizer.encode(f"{IM_END}\n")
+    base_messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task_prompt(task)}]
+
+    segments: list[Segment] = []
+    seg = _SegmentBuilder()
+    seg.add_context(tokenizer.encode(render_messages(base_messages, TOOL_SCHEMAS)))
+    summary_lengths: list[int] = []
+    ended_by: EpisodeEnd = "max_turns"
+    question = None
+    turns = tool_calls = malformed = tool_errors = 0
+
+    while turns < config.max_turns:
+        # Self-summarize when the context is past its budget, then restart the segment from the summary.
+        if len(seg.token_ids) > config.summary_trigger_tokens and len(summary_lengths) < config.max_summaries:
+            request = render_messages([{"role": "user", "content": SUMMARY_REQUEST}], add_generation_prompt=True)
+            seg.add_context(tokenizer.encode(request))
+            if len(seg.token_ids) + config.max_summary_tokens > config.max_context_tokens:
+                ended_by = "context_overflow"
+                break
+            out = policy.generate(seg.token_ids, config.max_summary_tokens, stop_ids)
+            seg.add_generated(out)
+            segments.append(seg.build())
+            summary = tokenizer.decode([t for t in out.token_ids if t not in stop_ids], skip_special_tokens=True)
+            summary_lengths.append(len(out.token_ids))
+            seg = _SegmentBuilder()
+            restart = [*base_messages, {"role": "user", "content": SUMMARY_PREFIX + summary.strip()}]
+            seg.add_context(tokenizer.encode(render_messages(restart, TOOL_SCHEMAS)))
+
+        seg.add_context(assistant_prompt)
+        if len(seg.token_ids) + config.max_new_tokens > config.max_context_tokens:
+            ended_by = "context_overflow"
+            break
+        turns += 1
+        out = policy.generate(seg.token_ids, config.max_new_tokens, stop_ids)
+        seg.add_generated(out)
+        if out.token_ids and out.token_ids[-1] in stop_ids:
+            seg.add_context(turn_end[1:])  # the policy wrote <|im_end|>; the template's newline follows
+        else:
+            seg.add_context(turn_end)  # cut off by max_new_tokens: close the turn for it
+        text = tokenizer.decode([t for t in out.token_ids if t not in stop_ids], skip_special_tokens=True)
+        parsed = parse_assistant(text, TOOL_SCHEMAS)
+
+        # Observations in the order the calls were written; malformed calls are errors the model sees.
+        results: list[tuple[int, str]] = []
+        malformed += len(parsed.errors)
+        results += [(e.index, f"error: {e.message}") for e in parsed.errors]
+        ended = False
+        calls = sorted(parsed.tool_calls, key=lambda c: int(c.id.removeprefix("call_")))
+        for call in calls:
+            tool_calls += 1
+            outcome = tools.call(call.function.name, call.function.arguments)
+            tool_errors += outcome.error
+            results.append((int(call.id.removeprefix("call_")), outcome.content))
+            if outcome.ends_episode:
+                ended = True
+                ended_by = "ask_user" if outcome.question is not None else "submit"
+                question = outcome.question
+                break
+        if ended:
+            break
+        if not parsed.tool_calls and not parsed.errors:
+            ended_by = "answer"  # a plain reply hands control back to the user
+            break
+        observations = [content for _, content in sorted(results)]
+        seg.add_context(tokenizer.encode(render_tool_responses(observations, add_generation_prompt=False)))
+
+    segments.append(seg.build())
+    episode = Episode(
+        episode_id=episode_id or uuid.uuid4().hex,
+        task_id=task.task_id,
+        segments=segments,
+        ended_by=ended_by,
+        num_turns=turns,
+        num_tool_calls=tool_calls,
+        malformed_tool_calls=malformed,
+        tool_errors=tool_errors,
+        summary_lengths=summary_lengths,
+        question=question,
+        metadata={"test_runs": tools.test_runs},
+    )
+    return EpisodeResult(episode, workspace)
