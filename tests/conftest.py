@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from realtime_rl.config import ModelConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, generate_corpus
+
+# The 24 real Exercism tasks, beside the repository as ../shared/tasks (MIT licensed, third party).
+EXERCISM = Path(__file__).resolve().parents[2] / "shared" / "tasks" / "exercism-python"
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, initializer_range=0.1)

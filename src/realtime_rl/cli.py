@@ -1,8 +1,8 @@
 """The `rtrl` command. One entry point; each subcommand reads its config (`--config FILE.toml`,
 `--set key=value`), shows progress, and exits non-zero with a one-line reason on bad input.
 
-Subcommands appear here as their stage lands: `demo` and `bench` today; `pretrain`, `train`, `serve`,
-`loop`, `eval`, `registry` and `simulate-users` arrive with the issues that build them.
+Subcommands appear here as their stage lands: `demo`, `eval` and `bench` today; `pretrain`, `train`,
+`serve`, `loop`, `registry` and `simulate-users` arrive with the issues that build them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from realtime_rl.config import DemoConfig, load_config
+from realtime_rl.config import DemoConfig, EvalConfig, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the most complete end-to-end job on embedded defaults")
     _add_config_args(demo)
 
+    ev = sub.add_parser("eval", help="grade reference solutions or stubs, or run a checkpoint, on a task folder")
+    _add_config_args(ev)
+    ev.add_argument("--tasks", type=Path, help="a task directory or a folder of them")
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--solutions", choices=["reference", "stub"], help="grade the tasks' own files")
+    which.add_argument("--checkpoint", type=Path, help="run this checkpoint's model through the agent loop")
+    ev.add_argument("--samples", type=int, help="episodes per task (pass@k with k = samples)")
+    ev.add_argument("--workers", type=int, help="concurrent tasks")
+    ev.add_argument("--limit", type=int, help="only the first N tasks")
+    ev.add_argument("--json", type=Path, help="write the report here")
+
     from realtime_rl.bench import BENCHMARKS
 
     bench = sub.add_parser("bench", help="run a benchmark and write its metrics",
@@ -44,6 +55,19 @@ def _run(args: argparse.Namespace) -> int:
         from realtime_rl.demo import run_demo
 
         run_demo(load_config(DemoConfig, args.config, args.overrides))
+        return 0
+    if args.command == "eval":
+        from realtime_rl.evaluate import run_eval
+
+        flags = {"tasks": args.tasks, "solutions": args.solutions, "checkpoint": args.checkpoint,
+                 "samples": args.samples, "workers": args.workers, "limit": args.limit}
+        overrides = [f"{k}={json.dumps(str(v) if isinstance(v, Path) else v)}" for k, v in flags.items() if v is not None]
+        report = run_eval(load_config(EvalConfig, args.config, [*overrides, *args.overrides]))
+        summary = {k: v for k, v in report.items() if k != "per_task"}
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(summary, indent=2))
         return 0
     if args.command == "bench":
         from realtime_rl.bench import run_benchmark

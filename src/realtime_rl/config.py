@@ -180,6 +180,39 @@ class AgentConfig(StrictModel):
         return self
 
 
+class EvalConfig(StrictModel):
+    """`rtrl eval`: grade reference solutions or stubs, or run a policy through the agent loop, on a task folder."""
+
+    tasks: Path | None = None
+    """A task directory or a folder of them (Exercism layout)."""
+    solutions: Literal["reference", "stub"] | None = None
+    """Grade the tasks' own reference solutions or untouched stubs instead of a policy."""
+    checkpoint: Path | None = None
+    """A Hugging Face checkpoint directory whose model is run through the agent loop."""
+    samples: int = Field(1, ge=1, le=1000)
+    """Episodes per task; pass@k is reported for k = samples."""
+    workers: int = Field(2, ge=1, le=256)
+    """Tasks graded (or episodes run) concurrently."""
+    include_hidden: bool = True
+    """Grade with the tasks' hidden tests too, where they have them."""
+    seed: int = 0
+    """Seed for sampling."""
+    limit: int | None = Field(None, ge=1)
+    """Evaluate only the first N tasks."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """The agent loop's limits."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Limits of test runs and grading."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.tasks is None:
+            raise ValueError("tasks: give a task directory or folder (--tasks PATH)")
+        if (self.solutions is None) == (self.checkpoint is None):
+            raise ValueError("give exactly one of --solutions reference|stub and --checkpoint DIR")
+        return self
+
+
 class DemoConfig(StrictModel):
     """`rtrl demo`: the most complete end-to-end job the code can run today."""
 
@@ -204,6 +237,7 @@ RECIPE_ROOTS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
     "demo": DemoConfig,
     "sandbox": SandboxConfig,
+    "eval": EvalConfig,
 }
 
 

@@ -1,0 +1,40 @@
+"""`rtrl eval` grades the real Exercism tasks exactly: every reference passes, every stub fails."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import EXERCISM
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
+    pytest.mark.skipif(not EXERCISM.is_dir(), reason=f"task data not found at {EXERCISM}"),
+]
+
+
+def rtrl_eval(tmp_path, *args):
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "realtime_rl.cli", "eval", "--tasks", str(EXERCISM),
+                           "--json", str(out), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_every_reference_solution_passes(tmp_path):
+    report = rtrl_eval(tmp_path, "--solutions", "reference")
+    failing = [t["task_id"] for t in report["per_task"] if t["passed"] != 1]
+    assert failing == []
+    assert report["tasks"] == 24 and report["passed"] == 24 and report["pass_at_1"] == 1.0
+    assert report["failed"] == 0 and report["errors"] == 0
+
+
+def test_every_stub_fails(tmp_path):
+    report = rtrl_eval(tmp_path, "--solutions", "stub")
+    assert report["tasks"] == 24 and report["passed"] == 0 and report["pass_at_1"] == 0.0
+    assert report["failed"] + report["errors"] == 24

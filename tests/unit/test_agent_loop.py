@@ -1,0 +1,142 @@
+"""The agent loop, driven by a scripted policy and by the real tiny model, with the real sandbox."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from realtime_rl.config import AgentConfig
+from realtime_rl.environments import load_task
+from realtime_rl.environments.agent_loop import SUMMARY_PREFIX, run_episode
+from realtime_rl.environments.grading import grade
+from realtime_rl.environments.policies import ModelPolicy, ScriptedPolicy
+from realtime_rl.model import Qwen3ForCausalLM, render_messages
+from tests.conftest import EXERCISM, tiny_config
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+@pytest.fixture(scope="module")
+def sandbox():
+    from realtime_rl.environments.sandbox import Sandbox
+
+    return Sandbox()
+
+
+@pytest.fixture
+def task():
+    root = EXERCISM / "two-fer"
+    if not root.is_dir():
+        pytest.skip(f"task data not found at {root}")
+    return load_task(root)
+
+
+def tc(name, **args):
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+def test_scripted_expert_solves_a_real_task(tokenizer, task, sandbox):
+    solution = task.reference_solution()["two_fer.py"]
+    policy = ScriptedPolicy(tokenizer, [
+        tc("read_file", path="two_fer.py"),
+        "Writing the solution.\n" + tc("write_file", path="two_fer.py", content=solution),
+        tc("run_tests"),
+        tc("submit"),
+    ])
+    result = run_episode(policy, tokenizer, task, sandbox, AgentConfig())
+    ep = result.episode
+    assert ep.ended_by == "submit" and ep.num_turns == 4 and ep.num_tool_calls == 4
+    assert ep.malformed_tool_calls == 0 and ep.tool_errors == 0
+    assert grade(task, result.workspace.snapshot(), sandbox).passed
+    text = tokenizer.decode(ep.segments[0].token_ids.tolist())
+    assert "all tests passed" in text  # the run_tests observation the policy saw
+
+
+def test_segments_are_token_exact(tokenizer, task, sandbox):
+    replies = [tc("list_files"), tc("submit")]
+    policy = ScriptedPolicy(tokenizer, replies)
+    seg = run_episode(policy, tokenizer, task, sandbox, AgentConfig()).episode.segments[0]
+    ids = seg.token_ids.tolist()
+    # What the policy saw on each call is exactly a prefix of the segment.
+    for context in policy.contexts:
+        assert ids[: len(context)] == context
+    # The policy's tokens sit exactly where the mask says, in order.
+    generated = [t for t, m in zip(ids, seg.loss_mask) if m]
+    expected = sum((tokenizer.encode(r) + [tokenizer.im_end_id] for r in replies), [])
+    assert generated == expected
+    # The first context is the chat template's rendering of system + task with the tool schemas.
+    head = policy.contexts[0]
+    assert tokenizer.decode(head).startswith("<|im_start|>system\n")
+    assert tokenizer.decode(head).endswith("<|im_start|>assistant\n")
+    assert (seg.versions[seg.loss_mask] == 0).all() and (seg.versions[~seg.loss_mask] == -1).all()
+
+
+def test_malformed_and_failing_calls_are_observations_not_crashes(tokenizer, task, sandbox):
+    policy = ScriptedPolicy(tokenizer, [
+        "<tool_call>\n{not json}\n</tool_call>",
+        tc("delete_everything"),
+        tc("read_file", path="missing.py"),
+        tc("edit_file", path="two_fer.py", old="zzz", new="y"),
+        tc("submit"),
+    ])
+    ep = run_episode(policy, tokenizer, task, sandbox, AgentConfig()).episode
+    assert ep.ended_by == "submit" and ep.malformed_tool_calls == 2 and ep.tool_errors == 2
+    text = tokenizer.decode(ep.segments[0].token_ids.tolist())
+    assert "not valid JSON" in text and "unknown tool 'delete_everything'" in text
+    assert "no such file: missing.py" in text and "was not found" in text
+
+
+def test_endings(tokenizer, task, sandbox):
+    asked = run_episode(ScriptedPolicy(tokenizer, [tc("ask_user", question="Python 2 or 3?")]),
+                        tokenizer, task, sandbox, AgentConfig()).episode
+    assert asked.ended_by == "ask_user" and asked.question == "Python 2 or 3?"
+    answered = run_episode(ScriptedPolicy(tokenizer, ["I think it is done."]), tokenizer, task, sandbox,
+                           AgentConfig()).episode
+    assert answered.ended_by == "answer"
+    looped = run_episode(ScriptedPolicy(tokenizer, [tc("list_files")]), tokenizer, task, sandbox,
+                         AgentConfig(max_turns=3)).episode
+    assert looped.ended_by == "max_turns" and looped.num_turns == 3
+
+
+def test_self_summarization_restarts_the_context(tokenizer, task, sandbox):
+    solution = task.reference_solution()["two_fer.py"]
+    replies = [tc("read_file", path="two_fer_test.py")] * 3 + [
+        "Task: two_fer. I read the tests; next I write the solution.",
+        tc("write_file", path="two_fer.py", content=solution),
+        tc("submit"),
+    ]
+    cfg = AgentConfig(summary_trigger_tokens=1500, max_context_tokens=8192, max_new_tokens=1024)
+    result = run_episode(ScriptedPolicy(tokenizer, replies), tokenizer, task, sandbox, cfg)
+    ep = result.episode
+    assert len(ep.segments) == 2 and len(ep.summary_lengths) == 1
+    first, second = (tokenizer.decode(s.token_ids.tolist()) for s in ep.segments)
+    assert first.rstrip().endswith("next I write the solution.<|im_end|>")
+    assert SUMMARY_PREFIX + "Task: two_fer." in second and "<tool_response>" not in second.split(SUMMARY_PREFIX)[0]
+    ep.passed = grade(task, result.workspace.snapshot(), sandbox).passed
+    assert ep.succeeded_after_summary is True
+
+
+def test_context_overflow_ends_the_episode(tokenizer, task, sandbox):
+    cfg = AgentConfig(summary_trigger_tokens=200, max_context_tokens=400, max_new_tokens=300, max_summaries=0)
+    ep = run_episode(ScriptedPolicy(tokenizer, [tc("list_files")]), tokenizer, task, sandbox, cfg).episode
+    assert ep.ended_by == "context_overflow"
+
+
+def test_real_tiny_moe_model_through_the_loop_with_replayable_routing(tokenizer, task, sandbox):
+    model = Qwen3ForCausalLM(tiny_config(moe=True, vocab_size=tokenizer.vocab_size)).eval()
+    cfg = AgentConfig(max_turns=3, max_new_tokens=24)
+    ep = run_episode(ModelPolicy(model, temperature=1.0, seed=0), tokenizer, task, sandbox, cfg).episode
+    assert ep.num_turns >= 1
+    seg = ep.segments[0]
+    assert seg.routing is not None and seg.routing.shape == (len(seg.token_ids), 3, 2)
+    # The trainer's full-sequence forward, replaying inference's routing, reproduces the behaviour logprobs.
+    ids = torch.tensor(seg.token_ids[None, :-1], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(ids, replay_routing=torch.from_numpy(seg.routing[None, :-1])).logits_BTV[0]
+    lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(seg.token_ids[1:, None], dtype=torch.long))[:, 0]
+    mask = seg.loss_mask[1:]
+    assert mask.sum() > 0
+    np.testing.assert_allclose(lp.numpy()[mask], seg.logprobs[1:][mask], atol=1e-4)
