@@ -38,3 +38,19 @@ def test_every_stub_fails(tmp_path):
     report = rtrl_eval(tmp_path, "--solutions", "stub")
     assert report["tasks"] == 24 and report["passed"] == 0 and report["pass_at_1"] == 0.0
     assert report["failed"] + report["errors"] == 24
+
+
+def test_a_checkpoint_runs_through_the_agent_loop(tmp_path, tokenizer):
+    from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
+    from tests.conftest import tiny_config
+
+    model = Qwen3ForCausalLM(tiny_config(moe=True, vocab_size=tokenizer.vocab_size))
+    save_checkpoint(tmp_path / "ckpt", model, tokenizer)
+    report = rtrl_eval(tmp_path, "--checkpoint", str(tmp_path / "ckpt"), "--samples", "2", "--limit", "2",
+                       "--set", "agent.max_turns=2", "--set", "agent.max_new_tokens=16")
+    assert report["tasks"] == 2 and report["samples"] == 2
+    for task in report["per_task"]:
+        assert task["samples"] == 2 and len(task["episodes"]) == 2
+        assert all(1 <= e["turns"] <= 2 for e in task["episodes"])
+    # An untrained model does not solve Exercism tasks; the harness must not say otherwise.
+    assert report["pass_at_1"] == 0.0
