@@ -11,7 +11,10 @@ import torch
 
 from realtime_rl.config import AgentConfig
 from realtime_rl.environments import load_task
-from realtime_rl.environments.agent_loop import SUMMARY_PREFIX, run_episode
+from realtime_rl.environments.agent_loop import (
+    SUMMARY_PREFIX, SUMMARY_REQUEST, SYSTEM_PROMPT, PolicyOutput, run_episode, task_prompt,
+)
+from realtime_rl.environments.tools import TOOL_SCHEMAS
 from realtime_rl.environments.grading import grade
 from realtime_rl.environments.policies import ModelPolicy, ScriptedPolicy
 from realtime_rl.model import Qwen3ForCausalLM, render_messages
@@ -101,20 +104,42 @@ def test_endings(tokenizer, task, sandbox):
     assert looped.ended_by == "max_turns" and looped.num_turns == 3
 
 
+class SummarizingPolicy(ScriptedPolicy):
+    """Scripted replies, except that a summary request gets the summary text."""
+
+    def __init__(self, tokenizer, replies, summary):
+        super().__init__(tokenizer, replies)
+        self.summary = summary
+        self.summary_calls = 0
+
+    def generate(self, context_ids, max_new_tokens, stop_ids):
+        if self.tokenizer.decode(context_ids).endswith(SUMMARY_REQUEST + "<|im_end|>\n<|im_start|>assistant\n"):
+            self.summary_calls += 1
+            ids = self.tokenizer.encode(self.summary) + [self.tokenizer.im_end_id]
+            return PolicyOutput(ids, [0.0] * len(ids), [0] * len(ids))
+        return super().generate(context_ids, max_new_tokens, stop_ids)
+
+
 def test_self_summarization_restarts_the_context(tokenizer, task, sandbox):
     solution = task.reference_solution()["two_fer.py"]
-    replies = [tc("read_file", path="two_fer_test.py")] * 3 + [
-        "Task: two_fer. I read the tests; next I write the solution.",
+    head = len(tokenizer.encode(render_messages(
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task_prompt(task)}], TOOL_SCHEMAS)))
+    summary = "Task: two_fer. I read the tests; next I write the solution."
+    policy = SummarizingPolicy(tokenizer, [
+        tc("read_file", path="two_fer_test.py"),  # a long observation: the context passes the trigger
         tc("write_file", path="two_fer.py", content=solution),
         tc("submit"),
-    ]
-    cfg = AgentConfig(summary_trigger_tokens=1500, max_context_tokens=8192, max_new_tokens=1024)
-    result = run_episode(ScriptedPolicy(tokenizer, replies), tokenizer, task, sandbox, cfg)
+    ], summary)
+    cfg = AgentConfig(summary_trigger_tokens=head + 250, max_context_tokens=head + 2000, max_new_tokens=512)
+    result = run_episode(policy, tokenizer, task, sandbox, cfg)
     ep = result.episode
-    assert len(ep.segments) == 2 and len(ep.summary_lengths) == 1
+    assert policy.summary_calls == 1 and len(ep.segments) == 2 and len(ep.summary_lengths) == 1
+    assert ep.ended_by == "submit"
     first, second = (tokenizer.decode(s.token_ids.tolist()) for s in ep.segments)
-    assert first.rstrip().endswith("next I write the solution.<|im_end|>")
-    assert SUMMARY_PREFIX + "Task: two_fer." in second and "<tool_response>" not in second.split(SUMMARY_PREFIX)[0]
+    assert first.endswith(summary + "<|im_end|>")
+    assert ep.segments[0].loss_mask[-1]  # the summary is the policy's own tokens, trained with the episode
+    assert SUMMARY_PREFIX + summary in second
+    assert "<tool_response>" not in second.split(SUMMARY_PREFIX)[0]  # the old observations are gone
     ep.passed = grade(task, result.workspace.snapshot(), sandbox).passed
     assert ep.succeeded_after_summary is True
 
