@@ -1,0 +1,176 @@
+"""Which program task i of a split is: the train/held-out split, the index space and its size.
+
+A split's tasks are a disjoint union of pools, one per (difficulty, input type). A pool holds every
+(structure, constants, surface) triple of its structures; the surface is the parameter name, the
+function-name style, the instruction layout and the wording. Index i walks the pools round robin (so
+difficulties and input types come evenly until a pool runs out), and its place within a pool goes
+through a seeded Feistel permutation before it is read as mixed-radix digits. Both steps are
+bijections, so distinct indices below `split_size` give distinct tasks.
+
+A structure (`filter:gt -> map:mul -> reduce:sum`) is held out when the sha256 of its name falls below
+HELDOUT_FRACTION: no held-out program shape is ever generated for training, whatever its constants.
+
+This module only counts and picks; it renders nothing (synthetic.py does).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from realtime_rl.environments.synthetic_ops import (
+    INPUT_TYPES, LAYOUTS, MAX_DEPTH, NAME_STYLES, PARAMETER_NAMES, Op, structure_name, structures,
+)
+
+Split = Literal["train", "heldout"]
+SPLITS: tuple[Split, ...] = ("train", "heldout")
+HELDOUT_FRACTION = 0.125
+WORDINGS = 2
+SURFACES = len(PARAMETER_NAMES["ints"]) * len(NAME_STYLES) * len(LAYOUTS) * WORDINGS
+assert all(len(names) == len(PARAMETER_NAMES["ints"]) for names in PARAMETER_NAMES.values())
+
+
+def structure_split(structure: str) -> Split:
+    """'heldout' for a stable ~HELDOUT_FRACTION of structure names, 'train' for the rest."""
+    digest = hashlib.sha256(structure.encode()).digest()
+    return "heldout" if int.from_bytes(digest[:8], "big") < HELDOUT_FRACTION * 2**64 else "train"
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One point of the index space: a program and how it is dressed."""
+    ops: tuple[Op, ...]
+    constants: tuple[tuple[tuple[str, int | str], ...], ...]
+    """Per stage, (name, value) of each of its constants."""
+    parameter: int
+    name_style: int
+    layout: int
+    wording: int
+
+
+@dataclass(frozen=True)
+class _Pool:
+    structures: tuple[tuple[Op, ...], ...]
+    ends: tuple[int, ...]
+    """ends[i]: programs (structure x constants) in structures[: i + 1]."""
+
+    @property
+    def programs(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+
+@functools.cache
+def _pools(split: Split) -> dict[tuple[int, str], _Pool]:
+    grouped: dict[tuple[int, str], list[tuple[Op, ...]]] = {
+        (d, t): [] for d in range(1, MAX_DEPTH + 1) for t in INPUT_TYPES}
+    for ops in structures():
+        if structure_split(structure_name(ops)) == split:
+            grouped[(len(ops), ops[0].takes)].append(ops)
+    pools = {}
+    for key, members in grouped.items():
+        ends = []
+        for ops in members:
+            ends.append((ends[-1] if ends else 0) + math.prod(op.constant_combinations for op in ops))
+        pools[key] = _Pool(tuple(members), tuple(ends))
+    return pools
+
+
+def check_arguments(split: str, difficulty: int | None) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if difficulty is not None and not (isinstance(difficulty, int) and 1 <= difficulty <= MAX_DEPTH):
+        raise ValueError(f"difficulty must be 1..{MAX_DEPTH} or None, got {difficulty!r}")
+
+
+def _pool_keys(difficulty: int | None) -> list[tuple[int, str]]:
+    depths = range(1, MAX_DEPTH + 1) if difficulty is None else [difficulty]
+    return [(d, t) for d in depths for t in INPUT_TYPES]
+
+
+def split_size(split: Split = "train", difficulty: int | None = None) -> int:
+    """How many distinct tasks `generate_task` gives for this split (and difficulty)."""
+    check_arguments(split, difficulty)
+    return sum(_pools(split)[key].programs for key in _pool_keys(difficulty)) * SURFACES
+
+
+def count_distinct_tasks() -> int:
+    """Exact: distinct (structure, constants, surface) triples over both splits, one per index."""
+    return sum(split_size(split) for split in SPLITS)
+
+
+def count_distinct_programs() -> int:
+    """Exact: distinct (structure, constants) pairs over both splits, i.e. distinct function bodies."""
+    return sum(pool.programs for split in SPLITS for pool in _pools(split).values())
+
+
+def _interleave(index: int, sizes: list[int]) -> tuple[int, int]:
+    """Round robin over pools of these sizes, skipping exhausted ones: a bijection from range(sum(sizes))
+    to (pool, place in pool)."""
+    used = [0] * len(sizes)
+    active = [i for i, size in enumerate(sizes) if size > 0]
+    while active:
+        rounds = min(sizes[i] - used[i] for i in active)
+        if index < rounds * len(active):
+            pool = active[index % len(active)]
+            return pool, used[pool] + index // len(active)
+        index -= rounds * len(active)
+        used = [u + rounds if i in active else u for i, u in enumerate(used)]
+        active = [i for i in active if used[i] < sizes[i]]
+    raise AssertionError("index beyond the pools")
+
+
+def _mix(x: int, key: int) -> int:
+    """splitmix64's finalizer: a cheap, well-spread 64-bit hash."""
+    z = (x * 0x9E3779B97F4A7C15 + key) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def _permute(position: int, size: int, key: int) -> int:
+    """A keyed bijection of range(size): a 4-round Feistel network on 2h bits, cycle-walking into range."""
+    half_bits = max(1, ((size - 1).bit_length() + 1) // 2)
+    mask = (1 << half_bits) - 1
+    x = position
+    while True:
+        left, right = x >> half_bits, x & mask
+        for round_key in range(key, key + 4):
+            left, right = right, left ^ (_mix(right, round_key) & mask)
+        x = (left << half_bits) | right
+        if x < size:
+            return x
+
+
+def pick(index: int, split: Split, seed: int, difficulty: int | None) -> Pick:
+    """The program and surface of task `index`; ValueError past the end of the split."""
+    check_arguments(split, difficulty)
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    keys = _pool_keys(difficulty)
+    pools = [_pools(split)[key] for key in keys]
+    sizes = [pool.programs * SURFACES for pool in pools]
+    if index >= sum(sizes):
+        raise ValueError(f"index {index} is beyond the {sum(sizes)} distinct {split} tasks"
+                         + (f" of difficulty {difficulty}" if difficulty else ""))
+    which, place = _interleave(index, sizes)
+    pool = pools[which]
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{split}/{keys[which]}".encode()).digest()[:8], "big")
+    program, surface = divmod(_permute(place, sizes[which], key), SURFACES)
+    s = bisect.bisect_right(pool.ends, program)
+    ops = pool.structures[s]
+    digits = program - (pool.ends[s - 1] if s else 0)
+    constants = []
+    for op in ops:
+        chosen = []
+        for name, values in op.params:
+            digits, digit = divmod(digits, len(values))
+            chosen.append((name, values[digit]))
+        constants.append(tuple(chosen))
+    surface, parameter = divmod(surface, len(PARAMETER_NAMES["ints"]))
+    surface, name_style = divmod(surface, len(NAME_STYLES))
+    wording, layout = divmod(surface, len(LAYOUTS))
+    return Pick(ops, tuple(constants), parameter, name_style, layout, wording)
