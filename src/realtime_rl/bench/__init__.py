@@ -19,6 +19,8 @@ import torch
 BENCHMARKS = {
     "parity": "our Qwen3 / Qwen3-MoE logits against transformers', both load directions",
     "sandbox": "cold and warm sandboxed test runs: latency, throughput, isolation level, escapes contained",
+    "engine": "decode tokens/s of our engine against transformers' generate (batch 1, 8, 32), capture cost, swap pause",
+    "mismatch": "engine logprobs against the trainer's full-sequence forward on a tiny MoE, with and without router replay",
 }
 
 

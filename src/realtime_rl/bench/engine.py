@@ -1,0 +1,111 @@
+"""`rtrl bench engine`: decode throughput of our engine against transformers' `generate`, same run.
+
+The same weights (the default MoE architecture, random init, saved once and loaded by both), the
+same random prompts, greedy decoding of a fixed number of tokens (no early stop) at batch sizes 1, 8
+and 32. Also: the throughput cost of MoE routing capture, and the pause of a hot weight swap made
+while a batch-32 decode is running.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+from realtime_rl.config import ModelConfig
+from realtime_rl.engine import Engine, SamplingParams
+from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
+
+BATCHES = (1, 8, 32)
+
+
+def default_model(seed: int = 0) -> Qwen3ForCausalLM:
+    config = ModelConfig(num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config)
+    model.reset_parameters(seed=seed)
+    return model.eval()
+
+
+def _ours(model: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: int, capture: bool) -> float:
+    engine = Engine(model, max_batch=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + 1,
+                    capture_routing=capture)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.samples[0].token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / elapsed
+
+
+def _hf(hf_model: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        hf_model.generate(ids[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,
+                                      "attention_mask": torch.ones_like(ids[:1])})
+        t0 = time.perf_counter()
+        out = hf_model.generate(ids, **kwargs)
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return len(prompts) * new_tokens / elapsed
+
+
+def swap_pause_ms(model: Qwen3ForCausalLM, batch: int, new_tokens: int, repeats: int = 5) -> float:
+    """Median pause of the decode loop for a swap staged while `batch` requests are mid-generation."""
+    engine = Engine(model, max_batch=batch, max_seq_len=32 + new_tokens + 1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    pauses = []
+    for r in range(repeats):
+        for i in range(batch):
+            engine.add_request(list(range(1, 33)), SamplingParams(temperature=0.0, max_tokens=new_tokens,
+                                                                   ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        stager = threading.Thread(target=engine.update_weights, args=(state, r + 1))
+        stager.start()
+        stager.join()
+        while engine.has_work():
+            engine.step()
+        assert engine.version == r + 1
+        pauses.append(engine.last_swap_pause_ms)
+    return statistics.median(pauses)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = default_model()
+    new_tokens = 16 if quick else 64
+    prompt_len = 32
+    gen = torch.Generator().manual_seed(0)
+    all_prompts = torch.randint(0, model.config.vocab_size, (max(BATCHES), prompt_len), generator=gen).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(tmp, model)
+        hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    metrics: dict[str, Any] = {"model_parameters": model.num_parameters(), "new_tokens": new_tokens,
+                               "prompt_tokens": prompt_len, "torch_threads": torch.get_num_threads()}
+    for b in BATCHES:
+        prompts = all_prompts[:b]
+        metrics[f"tokens_per_s_b{b}"] = _ours(model, prompts, new_tokens, capture=True)
+        metrics[f"hf_tokens_per_s_b{b}"] = _hf(hf_model, prompts, new_tokens)
+        metrics[f"speedup_vs_hf_b{b}"] = metrics[f"tokens_per_s_b{b}"] / metrics[f"hf_tokens_per_s_b{b}"]
+    b = max(BATCHES)
+    metrics["tokens_per_s"] = metrics[f"tokens_per_s_b{b}"]
+    metrics["hf_tokens_per_s"] = metrics[f"hf_tokens_per_s_b{b}"]
+    metrics["speedup_vs_hf"] = metrics[f"speedup_vs_hf_b{b}"]
+    # Capture cost: interleave runs with and without capture so drift hits both alike.
+    with_capture, without = [], []
+    for _ in range(2 if quick else 3):
+        without.append(_ours(model, all_prompts, new_tokens, capture=False))
+        with_capture.append(_ours(model, all_prompts, new_tokens, capture=True))
+    metrics["tokens_per_s_no_capture"] = statistics.median(without)
+    metrics["capture_overhead"] = 1.0 - statistics.median(with_capture) / statistics.median(without)
+    metrics["swap_pause_ms"] = swap_pause_ms(model, batch=b, new_tokens=new_tokens)
+    return metrics

@@ -1,0 +1,167 @@
+"""Runs an Engine on its own thread and serves concurrent callers: asyncio (the gateway) or threads
+(rollout workers, the agent loop).
+
+    aengine = AsyncEngine(engine, max_pending=256).start()
+    out = await aengine.generate(prompt_ids, params, timeout_s=60)        # asyncio
+    async for event in aengine.stream(prompt_ids, params, timeout_s=60):   # token by token (SSE)
+        ...
+    out = aengine.generate_sync(prompt_ids, params, timeout_s=60)          # from any thread
+    aengine.update_weights(state, version)                                 # swapped between decode steps
+    aengine.stop()
+
+Backpressure: at most `max_pending` requests are queued or running; one more raises EngineOverloaded
+at once (the gateway answers 503 with Retry-After) instead of queueing without bound. Every wait has a
+timeout; a request that times out is aborted in the engine and its slots are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from realtime_rl.engine.engine import Engine, RequestOutput
+from realtime_rl.engine.sampling import SamplingParams
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine's queue is full; retry later."""
+
+
+@dataclass
+class TokenEvent:
+    """A streamed event: a new token of sample `index`, or (token None) the finished request."""
+
+    index: int
+    token: int | None
+    output: RequestOutput | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_pending: int = 256, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self.idle_wait_s = idle_wait_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rtrl-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> AsyncEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while not self._stop.is_set():
+                if self.engine.has_work():
+                    self.engine.step()
+                else:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # surfaced to every later caller instead of hanging them
+            self.error = e
+            raise
+
+    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_update) -> str:
+        if self.error is not None:
+            raise RuntimeError(f"the engine thread died: {self.error!r}")
+        if self._thread is None:
+            raise RuntimeError("AsyncEngine is not started")
+        with self._pending_lock:
+            if self._pending >= self.max_pending:
+                raise EngineOverloaded(f"{self._pending} requests pending (max {self.max_pending})")
+            self._pending += 1
+        try:
+            rid = self.engine.add_request(prompt_ids, params, on_update=on_update)
+        except BaseException:
+            self._release()
+            raise
+        self._wake.set()
+        return rid
+
+    def _release(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        self.engine.update_weights(state, version)
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------------------ asyncio
+
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
+                     timeout_s: float = 300.0) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def on_update(_rid: str, index: int, token: int | None, output: RequestOutput | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(index, token, output))
+
+        rid = self._submit(prompt_ids, params, on_update)
+        deadline = loop.time() + timeout_s
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError(f"generation did not finish within {timeout_s} s")
+                event = await asyncio.wait_for(queue.get(), remaining)
+                yield event
+                if event.output is not None:
+                    return
+        finally:
+            self.engine.abort(rid)  # no-op once finished; frees slots if the caller went away
+            self._release()
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       timeout_s: float = 300.0) -> RequestOutput:
+        async for event in self.stream(prompt_ids, params, timeout_s):
+            if event.output is not None:
+                return event.output
+        raise AssertionError("stream ended without an output")
+
+    # ------------------------------------------------------------------------------------------ threads
+
+    def generate_sync(self, prompt_ids: Sequence[int], params: SamplingParams,
+                      timeout_s: float = 300.0) -> RequestOutput:
+        done = threading.Event()
+        box: list[RequestOutput] = []
+
+        def on_update(_rid: str, _index: int, _token: int | None, output: RequestOutput | None) -> None:
+            if output is not None:
+                box.append(output)
+                done.set()
+
+        rid = self._submit(prompt_ids, params, on_update)
+        try:
+            if not done.wait(timeout_s):
+                raise TimeoutError(f"generation did not finish within {timeout_s} s")
+            return box[0]
+        finally:
+            self.engine.abort(rid)
+            self._release()

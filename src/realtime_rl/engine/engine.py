@@ -1,0 +1,367 @@
+"""The continuous-batching inference engine (synchronous core; async_engine.py runs it on a thread).
+
+    engine = Engine(model, tokenizer, max_batch=32, max_seq_len=2048)
+    outputs = engine.generate([prompt_ids, ...], SamplingParams(max_tokens=64, n=4))
+    engine.update_weights(state_dict, version=7)      # staged beside the live weights, swapped between steps
+
+Each `step()` does, in order: apply a staged weight swap (pointer swaps, requests frozen not dropped);
+admit waiting requests into free KV-cache slots and prefill them in one batch (a request's n samples
+share its prefill: the prompt's keys/values are copied to the other slots); decode one token for every
+running sequence in one batch; retire finished sequences, freeing their slots. Every token records the
+policy version whose weights produced it, its logprobs and its MoE routing.
+
+Not here: paged attention, prefix caching across requests, chunked prefill, speculative decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from realtime_rl.engine.sampling import SamplingParams, sample_rows, sampling_logprobs
+from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
+
+
+@dataclass
+class SampleOutput:
+    """One generated continuation. All per-token lists share the length of token_ids."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    """Under the distribution sampled from (0.0 for greedy)."""
+    raw_logprobs: list[float]
+    """Under the untempered model distribution."""
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str
+    """"stop" (stop token or string), "length" (max_tokens or the context), "abort"."""
+    text: str | None = None
+    """Decoded text with any stop string cut off (None without a tokenizer)."""
+    routing: np.ndarray | None = None
+    """[prompt_len + len(token_ids) - 1, moe_layers, k]: routing of every position that was an input."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    samples: list[SampleOutput]
+    queued_s: float
+    """From add_request to prefill."""
+    first_token_s: float
+    """From add_request to the first sampled token."""
+    total_s: float
+
+
+@dataclass
+class _Seq:
+    req: _Request
+    index: int
+    slot: int
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_update: Callable[[str, int, int | None, RequestOutput | None], None] | None
+    created: float
+    prefilled: float = 0.0
+    first_token: float = 0.0
+    seqs: list[_Seq] = field(default_factory=list)
+    prompt_routing: torch.Tensor | None = None
+    aborted: bool = False
+
+
+class Engine:
+    def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
+                 max_seq_len: int = 2048, version: int = 0, capture_routing: bool = True, seed: int = 0) -> None:
+        if max_batch < 1 or max_seq_len < 2:
+            raise ValueError("need max_batch >= 1 and max_seq_len >= 2")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.version = version
+        self.capture_routing = capture_routing and model.num_moe_layers > 0
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
+        self.default_stop_ids = tokenizer.stop_token_ids if tokenizer is not None else []
+        self._free_slots = list(range(max_batch))
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Seq] = []
+        self._lock = threading.Lock()  # guards _waiting, _pending_swap and aborts across threads
+        self._pending_swap: tuple[dict[str, torch.Tensor], int] | None = None
+        self._rng = torch.Generator(device="cpu").manual_seed(seed)
+        self._ids = itertools.count()
+        self.last_swap_pause_ms: float | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------------------------------ intake
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    on_update: Callable[[str, int, int | None, RequestOutput | None], None] | None = None) -> str:
+        """Queue a request. on_update(request_id, sample_index, token or None, output when done) runs on the engine thread."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.max_seq_len}")
+        if params.n > self.max_batch:
+            raise ValueError(f"n={params.n} exceeds the engine's batch of {self.max_batch}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        with self._lock:
+            self._waiting.append(_Request(request_id, prompt, params, on_update, time.perf_counter()))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            for req in self._waiting:
+                if req.request_id == request_id:
+                    req.aborted = True
+        for seq in self._running:
+            if seq.req.request_id == request_id:
+                seq.req.aborted = True
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._pending_swap)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Stage `state` (our parameter names) beside the live weights; the next step swaps it in.
+
+        Validation happens here, before anything changes: a wrong name or shape raises ValueError and
+        the live weights keep serving. Safe to call from any thread.
+        """
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(params) - set(state))
+        unknown = sorted(set(state) - set(params) - {"lm_head.weight"})
+        if missing or unknown:
+            raise ValueError(f"weight update does not match the model: missing {missing[:3]}, unknown {unknown[:3]}")
+        staged = {}
+        for name, p in params.items():
+            t = state[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"weight update: {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            staged[name] = t.detach().to(device=self.device, dtype=self.dtype, copy=True)
+        with self._lock:
+            self._pending_swap = (staged, version)
+
+    def _apply_swap(self) -> None:
+        with self._lock:
+            pending, self._pending_swap = self._pending_swap, None
+        if pending is None:
+            return
+        staged, version = pending
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.data = staged[name]
+        self.version = version
+        self.last_swap_pause_ms = (time.perf_counter() - t0) * 1e3
+
+    # ------------------------------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the requests that finished in it."""
+        self._apply_swap()
+        finished: list[RequestOutput] = []
+        self._admit_and_prefill(finished)
+        if self._running:
+            self._decode()
+        finished += self._retire()
+        self.steps += 1
+        return finished
+
+    def _admit_and_prefill(self, finished: list[RequestOutput]) -> None:
+        admitted: list[_Request] = []
+        with self._lock:
+            while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self._free_slots)):
+                req = self._waiting.popleft()
+                if req.aborted:
+                    finished.append(self._output(req, "abort"))
+                    continue
+                for i in range(req.params.n):
+                    seed = None if req.params.seed is None else req.params.seed + i
+                    seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
+                    gen = torch.Generator(device=self.device).manual_seed(seed)
+                    req.seqs.append(_Seq(req, i, self._free_slots.pop(0), gen))
+                admitted.append(req)
+        if not admitted:
+            return
+        lengths = [len(r.prompt_ids) for r in admitted]
+        T = max(lengths)
+        ids = torch.zeros(len(admitted), T, dtype=torch.long)
+        for b, req in enumerate(admitted):
+            ids[b, : lengths[b]] = torch.tensor(req.prompt_ids)
+        positions = torch.arange(T).expand(len(admitted), T)
+        slots = torch.tensor([r.seqs[0].slot for r in admitted])
+        with torch.no_grad():
+            out = self.model(ids.to(self.device), positions.to(self.device), kv_cache=self.cache,
+                             cache_slots=slots.to(self.device), capture_routing=self.capture_routing)
+        now = time.perf_counter()
+        last = torch.tensor(lengths) - 1
+        logits_BV = out.logits_BTV[torch.arange(len(admitted)), last.to(self.device)]
+        rows: list[_Seq] = []
+        row_logits = []
+        for b, req in enumerate(admitted):
+            req.prefilled = now
+            if out.routing_BTLK is not None:
+                req.prompt_routing = out.routing_BTLK[b, : lengths[b]].cpu()
+            for seq in req.seqs[1:]:
+                self.cache.copy_prefix(req.seqs[0].slot, seq.slot, lengths[b])
+            rows += req.seqs
+            row_logits += [logits_BV[b]] * len(req.seqs)
+        self._sample(rows, torch.stack(row_logits))
+        self._running += rows
+
+    def _decode(self) -> None:
+        seqs = [s for s in self._running if s.finish_reason is None]
+        if not seqs:
+            return
+        ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
+        positions = torch.tensor([[len(s.req.prompt_ids) + len(s.token_ids) - 1] for s in seqs], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        with torch.no_grad():
+            out = self.model(ids, positions, kv_cache=self.cache, cache_slots=slots,
+                             capture_routing=self.capture_routing)
+        if out.routing_BTLK is not None:
+            routing = out.routing_BTLK[:, 0].cpu()
+            for b, s in enumerate(seqs):
+                s.routing.append(routing[b : b + 1])
+        self._sample(seqs, out.logits_BTV[:, -1])
+
+    def _sample(self, seqs: list[_Seq], logits_BV: torch.Tensor) -> None:
+        params = [s.req.params for s in seqs]
+        dev = logits_BV.device
+        lp_BV, raw_BV = sampling_logprobs(
+            logits_BV,
+            torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], device=dev),
+            torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+        )
+        tokens = sample_rows(lp_BV, [p.temperature == 0 for p in params], [s.generator for s in seqs])
+        tok_B = torch.tensor(tokens, device=dev)
+        chosen = lp_BV.gather(1, tok_B[:, None])[:, 0].tolist()
+        chosen_raw = raw_BV.gather(1, tok_B[:, None])[:, 0].tolist()
+        k_max = max(p.top_logprobs for p in params)
+        top = raw_BV.topk(k_max, dim=-1) if k_max else None
+        now = time.perf_counter()
+        for b, s in enumerate(seqs):
+            token = tokens[b]
+            s.token_ids.append(token)
+            s.logprobs.append(0.0 if params[b].temperature == 0 else chosen[b])
+            s.raw_logprobs.append(chosen_raw[b])
+            s.versions.append(self.version)
+            if top is not None and params[b].top_logprobs:
+                k = params[b].top_logprobs
+                s.top.append(list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist())))
+            if not s.req.first_token:
+                s.req.first_token = now
+            s.finish_reason = self._finish_reason(s)
+            if s.req.on_update is not None:
+                s.req.on_update(s.req.request_id, s.index, token, None)
+
+    def _finish_reason(self, s: _Seq) -> str | None:
+        p = s.req.params
+        if s.req.aborted:
+            return "abort"
+        stop_ids = self.default_stop_ids if p.stop_token_ids is None else p.stop_token_ids
+        if not p.ignore_eos and s.token_ids[-1] in stop_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            tail = self.tokenizer.decode(s.token_ids[-(16 + max(len(x) for x in p.stop)):])
+            if any(x in tail for x in p.stop):
+                return "stop"
+        if len(s.token_ids) >= p.max_tokens or len(s.req.prompt_ids) + len(s.token_ids) >= self.max_seq_len:
+            return "length"
+        return None
+
+    def _retire(self) -> list[RequestOutput]:
+        done: list[RequestOutput] = []
+        still: list[_Seq] = []
+        for s in self._running:
+            if s.finish_reason is None and s.req.aborted:
+                s.finish_reason = "abort"
+            if s.finish_reason is None:
+                still.append(s)
+            else:
+                self._free_slots.append(s.slot)
+        finished_reqs = {id(s.req): s.req for s in self._running if s.finish_reason is not None}
+        self._running = still
+        for req in finished_reqs.values():
+            if all(s.finish_reason is not None for s in req.seqs):
+                done.append(self._output(req, None))
+        return done
+
+    def _output(self, req: _Request, reason: str | None) -> RequestOutput:
+        samples = []
+        for s in req.seqs:
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+                for stop in req.params.stop:
+                    if stop in text:
+                        text = text[: text.index(stop)]
+            routing = None
+            if req.prompt_routing is not None:
+                rows = [req.prompt_routing, *s.routing]
+                routing = torch.cat(rows).numpy()
+            samples.append(SampleOutput(s.index, s.token_ids, s.logprobs, s.raw_logprobs, s.versions, s.top,
+                                        s.finish_reason or reason or "abort", text, routing))
+        now = time.perf_counter()
+        out = RequestOutput(req.request_id, req.prompt_ids, samples,
+                            (req.prefilled or now) - req.created, (req.first_token or now) - req.created,
+                            now - req.created)
+        if req.on_update is not None:
+            req.on_update(req.request_id, -1, None, out)
+        return out
+
+    # ------------------------------------------------------------------------------------------ sync use
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 timeout_s: float = 600.0) -> list[RequestOutput]:
+        """Run prompts to completion on the calling thread (tests, benchmarks, offline eval)."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        results: dict[str, RequestOutput] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < len(ids):
+            if time.monotonic() > deadline:
+                for rid in ids:
+                    self.abort(rid)
+                raise TimeoutError(f"generation did not finish within {timeout_s} s")
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[i] for i in ids]

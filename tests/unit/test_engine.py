@@ -1,0 +1,219 @@
+"""The engine: same tokens and logprobs as the reference decoder, batching that changes nothing,
+sampling controls that do what they say, hot swaps that freeze rather than drop, and clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from realtime_rl.engine import AsyncEngine, Engine, EngineOverloaded, SamplingParams
+from realtime_rl.model import Qwen3ForCausalLM, generate
+from tests.conftest import tiny_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture
+def moe():
+    model = Qwen3ForCausalLM(tiny_config(moe=True))
+    model.reset_parameters(seed=0)
+    return model.eval()
+
+
+def prompts(*lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_batched_greedy_matches_the_reference_decoder_token_for_token(moe):
+    ps = prompts(5, 11, 3, 8)
+    outs = Engine(moe, max_batch=8, max_seq_len=64).generate(ps, GREEDY)
+    for p, out in zip(ps, outs):
+        ref = generate(moe, p, 10, temperature=0.0)
+        s = out.samples[0]
+        assert s.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(s.raw_logprobs), torch.tensor(ref.raw_logprobs), atol=1e-5, rtol=0)
+        assert (s.routing == ref.routing_TLK.numpy()).all()
+        assert s.routing.shape == (len(p) + len(s.token_ids) - 1, 3, 2)
+        assert s.logprobs == [0.0] * 10 and s.finish_reason == "length"
+
+
+def test_raw_and_sampled_logprobs_are_those_of_the_model(moe):
+    p = prompts(6)[0]
+    out = Engine(moe).generate([p], SamplingParams(temperature=0.7, max_tokens=6, seed=1, ignore_eos=True))[0]
+    s = out.samples[0]
+    seq = torch.tensor([p + s.token_ids])
+    with torch.no_grad():
+        logits = moe(seq[:, :-1]).logits_BTV[0, len(p) - 1:]
+    targets = torch.tensor(s.token_ids)[:, None]
+    raw = torch.log_softmax(logits, -1).gather(1, targets)[:, 0]
+    tempered = torch.log_softmax(logits / 0.7, -1).gather(1, targets)[:, 0]
+    torch.testing.assert_close(torch.tensor(s.raw_logprobs), raw, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(s.logprobs), tempered, atol=1e-5, rtol=0)
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(moe):
+    a, b = prompts(7, 4)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=5, n=3, ignore_eos=True)
+    alone = Engine(moe).generate([a], params)[0]
+    crowded = Engine(moe).generate([b, a, b], params)[1]
+    assert [s.token_ids for s in alone.samples] == [s.token_ids for s in crowded.samples]
+    assert len({tuple(s.token_ids) for s in alone.samples}) > 1, "n samples should differ"
+    # Each of the n samples (sharing one prefill) equals a separate request with seed + i.
+    for i, s in enumerate(alone.samples):
+        single = Engine(moe).generate([a], SamplingParams(temperature=1.0, max_tokens=8, seed=5 + i,
+                                                          ignore_eos=True))[0].samples[0]
+        assert single.token_ids == s.token_ids
+
+
+def test_top_k_and_top_p_restrict_the_support(moe):
+    p = prompts(5)[0]
+    top1 = Engine(moe).generate([p], SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=0,
+                                                    ignore_eos=True))[0].samples[0]
+    greedy = Engine(moe).generate([p], GREEDY)[0].samples[0]
+    assert top1.token_ids == greedy.token_ids[:8]
+    nucleus = Engine(moe).generate([p], SamplingParams(temperature=1.0, top_p=0.3, max_tokens=8, seed=0,
+                                                       ignore_eos=True, top_logprobs=5))[0].samples[0]
+    seq = torch.tensor([p + nucleus.token_ids])
+    with torch.no_grad():
+        probs = torch.softmax(moe(seq[:, :-1]).logits_BTV[0, len(p) - 1:], -1)
+    for t, token in enumerate(nucleus.token_ids):
+        sorted_p, order = probs[t].sort(descending=True)
+        before = sorted_p.cumsum(0) - sorted_p
+        nucleus_set = set(order[before < 0.3].tolist())
+        assert token in nucleus_set and len(nucleus_set) < probs.shape[1]
+        kept = sorted_p[before < 0.3].sum()
+        torch.testing.assert_close(torch.tensor(nucleus.logprobs[t]), (probs[t, token] / kept).log(), atol=1e-4, rtol=0)
+        top = nucleus.top_logprobs[t]
+        assert [i for i, _ in top] == order[:5].tolist()
+
+
+def test_stop_tokens_stop_strings_and_lengths(moe, tokenizer):
+    model = Qwen3ForCausalLM(tiny_config(vocab_size=tokenizer.vocab_size)).eval()
+    engine = Engine(model, tokenizer, max_seq_len=40)
+    p = tokenizer.encode("def f(x):")
+    free = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].samples[0]
+    stop_token = free.token_ids[3]
+    first = free.token_ids.index(stop_token)
+    out = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]))[0]
+    assert out.samples[0].token_ids == free.token_ids[: first + 1] and out.samples[0].finish_reason == "stop"
+    stop_text = tokenizer.decode(free.token_ids[4:6])
+    if stop_text:
+        out = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop_text]))[0].samples[0]
+        assert out.finish_reason == "stop" and stop_text not in out.text
+    long = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0].samples[0]
+    assert long.finish_reason == "length" and len(p) + len(long.token_ids) == 40
+
+
+def test_requests_join_a_running_batch(moe):
+    engine = Engine(moe, max_batch=4)
+    engine.add_request(prompts(5)[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert engine.num_running == 1
+    late = engine.add_request(prompts(6, seed=1)[0], GREEDY)
+    engine.step()
+    assert engine.num_running == 2
+    done = {}
+    while engine.has_work():
+        done.update({o.request_id: o for o in engine.step()})
+    ref = generate(moe, prompts(6, seed=1)[0], 10, temperature=0.0)
+    assert done[late].samples[0].token_ids == ref.token_ids
+
+
+def test_hot_swap_freezes_in_flight_requests_and_records_versions(moe):
+    engine = Engine(moe, max_batch=4)
+    rid = engine.add_request(prompts(5)[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    before_swap = len(engine._running[0].token_ids)
+    new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in moe.state_dict().items()}
+    engine.update_weights(new_state, version=1)
+    out = {}
+    while engine.has_work():
+        out.update({o.request_id: o for o in engine.step()})
+    s = out[rid].samples[0]
+    assert s.finish_reason == "length" and len(s.token_ids) == 12
+    assert before_swap >= 3 and s.versions == [0] * before_swap + [1] * (12 - before_swap)
+    assert engine.version == 1 and engine.last_swap_pause_ms is not None and engine.last_swap_pause_ms < 50
+    # The live weights are the new ones.
+    assert torch.equal(moe.model.embed_tokens.weight, new_state["model.embed_tokens.weight"])
+
+
+def test_a_bad_weight_update_is_rejected_and_the_old_weights_keep_serving(moe):
+    engine = Engine(moe)
+    before = engine.generate(prompts(5), GREEDY)[0].samples[0].token_ids
+    bad = {k: v.clone() for k, v in moe.state_dict().items()}
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        engine.update_weights(bad, version=1)
+    missing = dict(list(moe.state_dict().items())[1:])
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights(missing, version=1)
+    assert engine.version == 0 and engine.generate(prompts(5), GREEDY)[0].samples[0].token_ids == before
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "empty"),
+    ([600], SamplingParams(), "token ids must be in"),
+    (list(range(64)), SamplingParams(), "context holds"),
+    ([1, 2], SamplingParams(n=9), "exceeds the engine's batch"),
+])
+def test_bad_requests_are_refused(moe, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(moe, max_batch=8, max_seq_len=64).add_request(prompt, params)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"), (dict(top_logprobs=21), "top_logprobs"),
+    (dict(stop=[""]), "stop strings"),
+])
+def test_sampling_params_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_async_engine_serves_concurrent_callers_and_streams(moe):
+    ps = prompts(3, 5, 7, 9, 4, 6)
+    refs = [generate(moe, p, 10, temperature=0.0).token_ids for p in ps]
+
+    async def main():
+        with AsyncEngine(Engine(moe, max_batch=4)) as aengine:
+            outs = await asyncio.gather(*(aengine.generate(p, GREEDY, timeout_s=60) for p in ps))
+            streamed = [e.token async for e in aengine.stream(ps[0], GREEDY, timeout_s=60) if e.token is not None]
+        return outs, streamed
+
+    outs, streamed = asyncio.run(main())
+    assert [o.samples[0].token_ids for o in outs] == refs
+    assert streamed == refs[0]
+
+
+def test_async_engine_backpressure_timeouts_and_threads(moe):
+    slow = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with AsyncEngine(Engine(moe, max_batch=2), max_pending=2) as aengine:
+        results = []
+        threads = [threading.Thread(target=lambda p=p: results.append(aengine.generate_sync(p, GREEDY, 60)))
+                   for p in prompts(3, 4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 2
+
+        async def overload():
+            first = asyncio.ensure_future(aengine.generate(prompts(3)[0], slow, timeout_s=60))
+            second = asyncio.ensure_future(aengine.generate(prompts(4)[0], slow, timeout_s=60))
+            await asyncio.sleep(0.01)
+            with pytest.raises(EngineOverloaded):
+                await aengine.generate(prompts(5)[0], slow, timeout_s=60)
+            await asyncio.gather(first, second)
+
+        asyncio.run(overload())
+        with pytest.raises(TimeoutError):
+            aengine.generate_sync(prompts(3)[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+                                  timeout_s=0.001)
+        # The timed-out request was aborted: its slot is free again and the engine still serves.
+        assert aengine.generate_sync(prompts(3)[0], GREEDY, 60).samples[0].finish_reason == "length"
