@@ -213,6 +213,61 @@ class EvalConfig(StrictModel):
         return self
 
 
+class ApiKey(StrictModel):
+    """One bearer key and what it may do."""
+
+    name: str = Field(min_length=1, max_length=64)
+    """Who holds the key (shown in logs and metrics, never the key itself)."""
+    key: str = Field(min_length=16, max_length=256)
+    """The secret; clients send `Authorization: Bearer <key>`."""
+    scopes: list[Literal["inference", "feedback", "admin"]] = Field(min_length=1)
+    """inference: completions and models; feedback: POST /v1/feedback; admin: registry and weights."""
+
+
+class ServeConfig(StrictModel):
+    """`rtrl serve`: the OpenAI-compatible gateway in front of the engine."""
+
+    checkpoint: Path | None = None
+    """The Hugging Face checkpoint directory to serve (with its tokenizer)."""
+    model_name: str = Field("rtrl-policy", min_length=1, max_length=128)
+    """The model id clients name in requests and see in GET /v1/models."""
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Port to bind (0 picks a free one)."""
+    run_dir: Path = Path("runs/serve")
+    """Where the event store (events.sqlite) lives."""
+    database_url: str | None = None
+    """A postgresql:// URL to record events in Postgres instead of SQLite (the real-time loop issue)."""
+    api_keys: list[ApiKey] = Field(default_factory=list)
+    """Bearer keys with scopes; requests without a valid key get 401, with a key lacking the scope 403."""
+    allow_unauthenticated: bool = False
+    """Serve without keys (local experiments only); refused when api_keys is non-empty."""
+    max_batch: int = Field(32, ge=1, le=4096)
+    """Sequences decoded together (KV-cache slots)."""
+    max_seq_len: int = Field(2048, ge=16, le=4_194_304)
+    """Longest prompt + completion; longer prompts get a 400."""
+    max_pending: int = Field(256, ge=1, le=1_000_000)
+    """Requests queued or running before new ones get 503 (backpressure)."""
+    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+    """A completion that takes longer is aborted and answered 504."""
+    default_max_tokens: int = Field(256, ge=1, le=1_000_000)
+    """max_tokens when a request does not give one."""
+    device: str = "cpu"
+    """Torch device for the engine (cpu, cuda, cuda:1)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Weights dtype; None keeps the checkpoint's."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if self.allow_unauthenticated and self.api_keys:
+            raise ValueError("allow_unauthenticated cannot be combined with api_keys")
+        names = [k.name for k in self.api_keys]
+        if len(set(names)) != len(names):
+            raise ValueError("api_keys names must be unique")
+        return self
+
+
 class DemoConfig(StrictModel):
     """`rtrl demo`: the most complete end-to-end job the code can run today."""
 
@@ -238,6 +293,7 @@ RECIPE_ROOTS: dict[str, type[BaseModel]] = {
     "demo": DemoConfig,
     "sandbox": SandboxConfig,
     "eval": EvalConfig,
+    "serve": ServeConfig,
 }
 
 
