@@ -54,3 +54,23 @@ def test_a_checkpoint_runs_through_the_agent_loop(tmp_path, tokenizer):
         assert all(1 <= e["turns"] <= 2 for e in task["episodes"])
     # An untrained model does not solve Exercism tasks; the harness must not say otherwise.
     assert report["pass_at_1"] == 0.0
+
+
+def test_synthetic_tasks_grade_exactly(tmp_path):
+    """Reference passes (visible + hidden tests), stubs fail, and a novice variant fails through the harness."""
+    from realtime_rl.environments import load_tasks
+    from realtime_rl.environments.grading import grade
+    from realtime_rl.environments.sandbox import Sandbox
+    from realtime_rl.environments.synthetic import generate_tasks
+    from realtime_rl.evaluate import evaluate_solutions
+
+    generate_tasks(tmp_path / "tasks", 12, split="heldout", seed=0)
+    tasks = load_tasks(tmp_path / "tasks")
+    sandbox = Sandbox()
+    reference = evaluate_solutions(tasks, "reference", sandbox, workers=2).to_json()
+    assert reference["passed"] == 12
+    stubs = evaluate_solutions(tasks, "stub", sandbox, workers=2).to_json()
+    assert stubs["passed"] == 0
+    for task in tasks[:4]:
+        files = task.workspace() | {task.solution_files[0]: task.read(task.novice_files[0])}
+        assert not grade(task, files, sandbox).passed
