@@ -34,10 +34,17 @@ def test_every_reference_solution_passes(tmp_path):
     assert report["failed"] == 0 and report["errors"] == 0
 
 
+# ledger is Exercism's refactoring exercise: its "stub" is a working, messy implementation, so its
+# tests pass as shipped (they do under plain pytest on the host too). Every other stub must fail.
+REFACTORING_EXERCISES = {"ledger"}
+
+
 def test_every_stub_fails(tmp_path):
     report = rtrl_eval(tmp_path, "--solutions", "stub")
-    assert report["tasks"] == 24 and report["passed"] == 0 and report["pass_at_1"] == 0.0
-    assert report["failed"] + report["errors"] == 24
+    passing = {t["task_id"] for t in report["per_task"] if t["passed"]}
+    assert passing == REFACTORING_EXERCISES
+    assert report["tasks"] == 24 and report["passed"] == len(REFACTORING_EXERCISES)
+    assert report["failed"] + report["errors"] == 24 - len(REFACTORING_EXERCISES)
 
 
 def test_a_checkpoint_runs_through_the_agent_loop(tmp_path, tokenizer):

@@ -1,0 +1,312 @@
+"""The bootstrap that runs *inside* the sandbox, under the system interpreter (`/usr/bin/python3 -I -c`).
+
+It never imports realtime_rl (the project's venv is not reachable from the sandbox) and uses only the
+standard library. It reads one header from stdin (8-byte big-endian length, then JSON), writes the
+files into the working directory, sets rlimits, loads the seccomp filter, and then, by `mode`:
+
+    exec     execs `argv`; the rest of stdin is the command's stdin
+    pytest   runs pytest in this process with a counting plugin; counts go to `report_fd` as JSON
+    zygote   the warm-pool server: one forked child per request (see `serve`)
+    probe    reports what the sandbox looks like from inside (uid, capabilities, seccomp, pytest)
+
+With `reaper` set (the weak tier, no pid namespace) the exec and pytest modes fork: the parent is a
+child subreaper that kills every leftover descendant when the command ends or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import errno
+import json
+import os
+import resource
+import signal
+import struct
+import sys
+import time
+
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 36, 38
+# Syscalls nobody's tests need and that widen the kernel attack surface; they fail with EPERM.
+DENIED_SYSCALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "mount", "umount2", "pivot_root",
+    "chroot", "unshare", "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "syslog", "acct", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "open_by_handle_at", "name_to_handle_at", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "iopl", "ioperm", "quotactl", "lookup_dcookie", "vhangup", "fanotify_init", "move_mount", "open_tree",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "uselib", "personality",
+)
+NAMESPACE_FLAGS = (0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+AF_UNIX = 1
+
+
+def read_exact(fd: int, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            raise EOFError(f"stream ended after {got} of {n} bytes")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_message(fd: int) -> dict | None:
+    try:
+        (size,) = struct.unpack(">Q", read_exact(fd, 8))
+    except EOFError:
+        return None
+    return json.loads(read_exact(fd, size))
+
+
+def write_message(fd: int, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    data = struct.pack(">Q", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def safe_path(root: str, rel: str) -> str:
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\0" in rel or ".." in parts:
+        raise ValueError(f"bad file name {rel!r}")
+    return os.path.join(root, *[p for p in parts if p not in ("", ".")])
+
+
+def write_files(root: str, files: list) -> None:
+    for rel, b64 in files:
+        path = safe_path(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(b64))
+
+
+def set_rlimits(limits: dict) -> None:
+    mb = 1024 * 1024
+    wanted = {
+        resource.RLIMIT_CPU: (limits["cpu_s"], limits["cpu_s"] + 1),
+        resource.RLIMIT_AS: (limits["memory_mb"] * mb,) * 2,
+        resource.RLIMIT_NPROC: (limits["max_procs"],) * 2,
+        resource.RLIMIT_FSIZE: (limits["file_size_mb"] * mb,) * 2,
+        resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+    }
+    for res, (soft, hard) in wanted.items():
+        _, cur_hard = resource.getrlimit(res)
+        if cur_hard != resource.RLIM_INFINITY:
+            soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+        resource.setrlimit(res, (soft, hard))
+
+
+class ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+
+def apply_seccomp(deny_network: bool) -> None:
+    """Load a denylist filter with libseccomp (ctypes); with `deny_network`, only AF_UNIX sockets."""
+    lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(ArgCmp)]
+    lib.seccomp_load.argtypes = lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    ctx = lib.seccomp_init(allow)
+    if not ctx:
+        raise OSError("seccomp_init failed")
+
+    def rule(action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
+        nr = lib.seccomp_syscall_resolve_name(name.encode())
+        if nr < 0:
+            return  # not a syscall on this architecture
+        array = (ArgCmp * max(1, len(cmps)))(*[ArgCmp(*c) for c in cmps])
+        rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), array if cmps else None)
+        if rc < 0:
+            raise OSError(-rc, f"seccomp rule for {name}: {os.strerror(-rc)}")
+
+    try:
+        for name in DENIED_SYSCALLS:
+            rule(eperm, name)
+        rule(enosys, "clone3")  # flags live in a struct seccomp cannot read; libc falls back to clone
+        for flag in NAMESPACE_FLAGS:
+            rule(eperm, "clone", (0, 7, flag, flag))  # SCMP_CMP_MASKED_EQ: a new namespace of any kind
+        if deny_network:
+            rule(0x00050000 | errno.EACCES, "socket", (0, 1, AF_UNIX, 0))  # SCMP_CMP_NE AF_UNIX
+        rc = lib.seccomp_load(ctx)
+        if rc < 0:
+            raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def prctl(option: int, value: int) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option})")
+
+
+def other_pids() -> list[int]:
+    me = os.getpid()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+
+
+def descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for pid in other_pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parents[pid] = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in found}
+        found |= frontier
+    return sorted(found)
+
+
+def kill_leftovers(own_pid_namespace: bool, deadline_s: float = 2.0) -> None:
+    """Kill every process this one started (and their orphans), until none is left or the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if own_pid_namespace:
+            try:
+                os.kill(-1, signal.SIGKILL)  # everything in the namespace but us and its init
+            except ProcessLookupError:
+                pass
+            left = other_pids()
+        else:
+            left = descendants(os.getpid())
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        while True:  # reap our zombies (orphans of a subreaper land here)
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not [p for p in left if not is_zombie(p)]:
+            return
+        time.sleep(0.001)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+def run_pytest(args: list, report_fd: int) -> int:
+    import pytest
+
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+
+    class Counter:
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call":
+                key = {"passed": "passed", "failed": "failed"}.get(report.outcome, "skipped")
+                if hasattr(report, "wasxfail"):
+                    key = "skipped"
+                counts[key] += 1
+            elif report.outcome == "failed":
+                counts["errors"] += 1
+            elif report.outcome == "skipped" and report.when == "setup":
+                counts["skipped"] += 1
+
+        def pytest_collectreport(self, report):
+            if report.outcome == "failed":
+                counts["errors"] += 1
+
+    code = int(pytest.main(args, plugins=[Counter()]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    write_message(report_fd, {**counts, "exit_code": code})
+    return code
+
+
+def run_with_reaper(body) -> int:
+    """Fork: the child runs body(); this process, a subreaper, kills what the child left behind."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    child = os.fork()
+    if child == 0:
+        os._exit(body())
+    signal.signal(signal.SIGTERM, lambda *_: (kill_leftovers(False), os._exit(128 + signal.SIGTERM)))
+    _, status = os.waitpid(child, 0)
+    kill_leftovers(False)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def probe_report() -> dict:
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+    try:
+        import pytest  # noqa: F401
+        has_pytest = True
+    except ImportError:
+        has_pytest = False
+    return {"uid": os.getuid(), "cap_eff": status.get("CapEff"), "seccomp": status.get("Seccomp"),
+            "no_new_privs": status.get("NoNewPrivs"), "pytest": has_pytest, "python": sys.version.split()[0]}
+
+
+def main() -> None:
+    header = read_message(0)
+    if header is None:
+        sys.exit("no header on stdin")
+    workdir, mode = header["workdir"], header["mode"]
+    keep = {0, 1, 2, header.get("report_fd", -1)}
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the descriptor of the directory listing itself
+    prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries grant nothing (bwrap sets it too; the weak tier needs it)
+    seccomp_error = None
+    if header.get("seccomp"):
+        try:
+            apply_seccomp(header.get("deny_network", False))
+        except OSError as e:
+            seccomp_error = str(e)
+            if mode != "probe":
+                sys.exit(f"sandbox: seccomp was required but failed: {e}")
+    if mode == "probe":
+        write_message(1, {**probe_report(), "seccomp_error": seccomp_error})
+        return
+    write_files(workdir, header.get("files", []))
+    os.chdir(workdir)
+    if mode == "zygote":
+        warm: dict = {"__name__": "rtrl_warm"}
+        exec(compile(header["warm_src"], "inside_warm.py", "exec"), warm)
+        warm["serve"](header)
+        return
+    if mode == "exec":
+        argv = header["argv"]
+
+        def body() -> int:
+            set_rlimits(header["limits"])
+            try:
+                os.execvp(argv[0], argv)
+            except OSError as e:
+                print(f"sandbox: cannot run {argv[0]!r}: {e.strerror}", file=sys.stderr)
+                return 127
+    elif mode == "pytest":
+        sys.path.append(workdir)  # like `python -m pytest`, but after the standard library
+
+        def body() -> int:
+            set_rlimits(header["limits"])
+            return run_pytest(header["pytest_args"], header["report_fd"])
+    else:
+        sys.exit(f"unknown mode {mode!r}")
+    sys.exit(run_with_reaper(body) if header.get("reaper") else body())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""WarmPool: pre-started sandboxes that fork one child per test run, for fast visible-test runs.
+
+Each slot is a sandbox (same tier, limits and cgroup as a fresh one) whose interpreter has imported
+the standard library and waits for requests (inside_warm.serve). A request forks a child that writes
+the files, sets the rlimits and runs the light runner; the slot then kills everything the run left
+behind and wipes the workspace, /tmp and /dev/shm. Runs that need what the light runner cannot promise
+(pytest fixtures, conftest-free pytest features, a crash without a report) are re-run cold with
+`Sandbox.run_tests` and say why (`TestReport.fallback_reason`).
+
+Slots are started from one long-lived thread (bubblewrap's --die-with-parent follows the thread that
+started it). A slot that dies or stops answering is killed and replaced on next use; a run that hangs
+is killed at its timeout inside the slot. Runs in one slot share that sandbox over time: a run can
+kill its slot (it is replaced) but cannot ptrace it. Grading never uses the pool: it runs
+`Sandbox.run_tests`, a fresh sandbox with pristine read-only tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import select
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from realtime_rl.config import SandboxConfig
+from realtime_rl.environments.sandbox.launch import SandboxProcess, b64_files, encode_files, frame, limits
+from realtime_rl.environments.sandbox.results import IsolationLevel, RunResult, TestReport
+from realtime_rl.environments.sandbox.sandbox import Sandbox, check_tests, make_report, signal_of
+
+WARM_SOURCE = (Path(__file__).parent / "inside_warm.py").read_text()
+START_TIMEOUT_S = 30.0
+REPLY_GRACE_S = 5.0  # beyond the run's own timeout, which the slot enforces itself
+
+
+class SlotError(Exception):
+    """The slot died, broke the protocol or did not answer in time; it must be replaced."""
+
+
+class Slot:
+    def __init__(self, sandbox: Sandbox) -> None:
+        full = sandbox.isolation_level == IsolationLevel.FULL
+        config = sandbox.config
+        # The slot's cgroup also holds the waiting interpreter and bubblewrap's init.
+        slot_config = config.model_copy(update={"memory_mb": config.memory_mb + 64,
+                                                "max_procs": config.max_procs + 4})
+        header = {"mode": "zygote", "warm_src": WARM_SOURCE, "own_pid_namespace": full,
+                  "scratch_dirs": ["/tmp", "/dev/shm"] if full else []}
+        self.process = SandboxProcess(sandbox.probe, slot_config, header)
+        self.stdin_fd = self.process.proc.stdin.fileno()
+        self.stdout_fd = self.process.proc.stdout.fileno()
+        os.set_blocking(self.stdin_fd, False)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            self._write(self.process.preamble, deadline)
+            if not self._read(deadline).get("ready"):
+                raise SlotError("slot did not say ready")
+        except SlotError as e:
+            stderr_fd = self.process.proc.stderr.fileno()
+            os.set_blocking(stderr_fd, False)
+            try:
+                detail = os.read(stderr_fd, 4096).decode(errors="replace").strip()
+            except OSError:
+                detail = ""
+            self.close()
+            raise SlotError(f"warm slot did not start: {e}; {detail}") from None
+
+    def request(self, message: dict, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        self._write(frame(message), deadline)
+        return self._read(deadline)
+
+    def close(self) -> None:
+        self.process.close()
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view:
+            if not select.select([], [self.stdin_fd], [], max(0.0, deadline - time.monotonic()))[1]:
+                raise SlotError("timed out writing to the slot")
+            try:
+                view = view[os.write(self.stdin_fd, view[:65536]):]
+            except OSError as e:
+                raise SlotError(f"slot closed its input: {e}") from None
+
+    def _read_exact(self, n: int, deadline: float) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            if not select.select([self.stdout_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise SlotError("timed out waiting for the slot")
+            chunk = os.read(self.stdout_fd, n - len(data))
+            if not chunk:
+                raise SlotError(f"slot exited (status {self.process.proc.poll()})")
+            data += chunk
+        return bytes(data)
+
+    def _read(self, deadline: float) -> dict:
+        (size,) = struct.unpack(">Q", self._read_exact(8, deadline))
+        try:
+            return json.loads(self._read_exact(size, deadline))
+        except json.JSONDecodeError as e:
+            raise SlotError(f"bad reply: {e}") from None
+
+
+class WarmPool:
+    """`config.pool_size` warm slots; `run_tests` is thread-safe. Use as a context manager or call close()."""
+
+    def __init__(self, config: SandboxConfig | None = None, *, sandbox: Sandbox | None = None) -> None:
+        self.sandbox = sandbox or Sandbox(config)
+        self.config = self.sandbox.config
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtrl-warm-slots")
+        self._idle: queue.Queue[Slot | None] = queue.Queue()
+        self._closed = False
+        try:
+            for _ in range(self.config.pool_size):
+                self._idle.put(self._start())
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> Slot:
+        return self._spawner.submit(Slot, self.sandbox).result(timeout=START_TIMEOUT_S + 10)
+
+    def run_tests(self, files: Mapping[str, str | bytes], test_files: Sequence[str], *,
+                  timeout_s: float | None = None) -> TestReport:
+        """Sandbox.run_tests' counts from a warm slot; falls back to a fresh sandbox when it must."""
+        if self._closed:
+            raise RuntimeError("this WarmPool is closed")
+        encoded = encode_files(files)
+        tests = check_tests(encoded, test_files)
+        timeout = self.sandbox.resolve_timeout(timeout_s)
+        try:
+            slot = self._idle.get(timeout=self.config.wall_s)
+        except queue.Empty:
+            return self._cold(files, tests, timeout, "no warm slot became free within wall_s")
+        healthy = None
+        try:
+            slot = slot or self._start()
+            reply = slot.request({"files": b64_files(encoded), "test_files": tests, "timeout_s": timeout,
+                                  "output_bytes": self.config.output_bytes, "limits": limits(self.config)},
+                                 timeout + REPLY_GRACE_S)
+            healthy = slot
+        except (SlotError, OSError, TimeoutError) as e:
+            if slot is not None:
+                slot.close()
+            return self._cold(files, tests, timeout, f"warm slot failed ({e}); it is replaced")
+        finally:
+            self._give_back(healthy)
+        run = self._run_result(reply)
+        report = reply["report"]
+        if run.timed_out:
+            return make_report(run, None, warm=True)
+        if report is None:
+            return self._cold(files, tests, timeout, "the warm run ended without a report (crash or exit)")
+        if report.get("fallback"):
+            return self._cold(files, tests, timeout, report["fallback"])
+        return make_report(run, report, warm=True)
+
+    def _run_result(self, reply: dict) -> RunResult:
+        code = reply["exit_code"]
+        code = None if reply["timed_out"] else (128 - code if code < 0 else code)
+        return RunResult(exit_code=code, stdout=reply["stdout"], stderr=reply["stderr"],
+                         timed_out=reply["timed_out"], output_truncated=reply["truncated"],
+                         duration_s=reply["duration_s"], isolation=self.sandbox.isolation_level,
+                         isolation_label=self.sandbox.isolation_label + "; warm pool slot",
+                         signal=signal_of(code))
+
+    def _cold(self, files, tests, timeout: float, reason: str) -> TestReport:
+        report = self.sandbox.run_tests(files, tests, timeout_s=timeout)
+        return dataclasses.replace(report, fallback_reason=reason)
+
+    def _give_back(self, slot: Slot | None) -> None:
+        if self._closed:
+            if slot is not None:
+                slot.close()
+            return
+        self._idle.put(slot)  # None: a dead slot, replaced by whoever takes it next
+
+    def close(self) -> None:
+        """Kill every slot (and everything running in it)."""
+        self._closed = True
+        while True:
+            try:
+                slot = self._idle.get_nowait()
+            except queue.Empty:
+                break
+            if slot is not None:
+                slot.close()
+        self._spawner.shutdown(wait=True)
+
+    def __enter__(self) -> WarmPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,127 @@
+"""`Sandbox`: one fresh sandbox per call, for commands (`run`) and for test runs and grading (`run_tests`).
+
+`run_tests` runs pytest inside the sandbox with a counting plugin whose counts come back over a
+private pipe (so they do not depend on parsing output that the code under test can print). The test
+files are mounted read-only (FULL tier), and pytest ignores conftest.py and ini files and appends the
+workspace to sys.path after the standard library, so a workspace cannot swap the test runner, its
+configuration or a standard module the tests import. This is what grading uses.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+
+from realtime_rl.config import SandboxConfig
+from realtime_rl.environments.sandbox.launch import (
+    Outcome,
+    SandboxProcess,
+    b64_files,
+    check_name,
+    encode_files,
+)
+from realtime_rl.environments.sandbox.probe import Probe, probe_isolation
+from realtime_rl.environments.sandbox.results import IsolationLevel, RunResult, TestReport
+
+PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", ".", "--noconftest",
+               "--import-mode=append"]
+
+
+def check_tests(files: Mapping[str, bytes], test_files: Sequence[str]) -> list[str]:
+    if isinstance(test_files, str):
+        raise ValueError("test_files must be a list of file names, not a string")
+    names = [check_name(t) for t in test_files]
+    if not names:
+        raise ValueError("test_files is empty: name at least one test file")
+    missing = [t for t in names if t not in files]
+    if missing:
+        raise ValueError(f"test files not among the files: {', '.join(missing)}")
+    return names
+
+
+def signal_of(exit_code: int | None) -> int | None:
+    """The signal that ended a command, from the shell-style exit status 128+N."""
+    return exit_code - 128 if exit_code is not None and 128 < exit_code < 160 else None
+
+
+def parse_report(data: bytes) -> dict | None:
+    if len(data) < 8 or len(data) != 8 + struct.unpack(">Q", data[:8])[0]:
+        return None
+    return json.loads(data[8:])
+
+
+class Sandbox:
+    """Runs untrusted code, each call in a fresh sandbox at the strongest tier this machine allows."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self.probe: Probe = probe_isolation(self.config.isolation)
+
+    @property
+    def isolation_level(self) -> IsolationLevel:
+        return self.probe.level
+
+    @property
+    def isolation_label(self) -> str:
+        return self.probe.label
+
+    def resolve_timeout(self, timeout_s: float | None) -> float:
+        """`timeout_s`, or the config's wall_s when None; must be positive."""
+        if timeout_s is None:
+            return self.config.wall_s
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        return float(timeout_s)
+
+    def result(self, outcome: Outcome) -> RunResult:
+        code = outcome.exit_code
+        return RunResult(
+            exit_code=code, stdout=outcome.stdout.decode(errors="replace"),
+            stderr=outcome.stderr.decode(errors="replace"), timed_out=outcome.timed_out,
+            output_truncated=outcome.truncated, duration_s=outcome.duration_s, isolation=self.probe.level,
+            isolation_label=self.probe.label, signal=signal_of(code),
+            memory_limit_hit=outcome.memory_limit_hit, pids_limit_hit=outcome.pids_limit_hit)
+
+    def run(self, argv: list[str], files: Mapping[str, str | bytes], *, stdin: bytes | None = None,
+            timeout_s: float | None = None) -> RunResult:
+        """Run `argv` (PATH lookup inside the sandbox) in a workspace holding `files`."""
+        if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}")
+        timeout = self.resolve_timeout(timeout_s)
+        header = {"mode": "exec", "argv": list(argv), "files": b64_files(encode_files(files))}
+        process = SandboxProcess(self.probe, self.config, header)
+        return self.result(process.communicate(stdin or b"", timeout, self.config.output_bytes))
+
+    def run_tests(self, files: Mapping[str, str | bytes], test_files: Sequence[str], *,
+                  timeout_s: float | None = None) -> TestReport:
+        """pytest on `test_files` (among `files`) in a fresh sandbox; tests read-only in the FULL tier."""
+        if not self.probe.pytest:
+            raise RuntimeError("the sandbox's interpreter has no pytest (Debian: apt install python3-pytest)")
+        encoded = encode_files(files)
+        tests = check_tests(encoded, test_files)
+        timeout = self.resolve_timeout(timeout_s)
+        header = {"mode": "pytest", "pytest_args": [*PYTEST_ARGS, *tests],
+                  "files": b64_files({k: v for k, v in encoded.items() if k not in tests})}
+        ro_files = {t: encoded[t] for t in tests}
+        process = SandboxProcess(self.probe, self.config, header, ro_files=ro_files, report=True)
+        outcome = process.communicate(b"", timeout, self.config.output_bytes)
+        return make_report(self.result(outcome), parse_report(outcome.report))
+
+
+def make_report(run: RunResult, counts: dict | None, warm: bool = False,
+                fallback_reason: str | None = None) -> TestReport:
+    counts = counts or {}
+    passed, failed, errors = (int(counts.get(k, 0)) for k in ("passed", "failed", "errors"))
+    ok = (run.exit_code == 0 and counts.get("exit_code") == 0 and not run.timed_out
+          and passed >= 1 and failed == 0 and errors == 0)
+    output = run.stdout
+    if run.stderr:
+        output += ("" if not output or output.endswith("\n") else "\n") + run.stderr
+    if run.timed_out:
+        output += "\n[sandbox] timed out; every process of the run was killed\n"
+    if run.output_truncated:
+        output += "\n[sandbox] output truncated\n"
+    return TestReport(passed=passed, failed=failed, errors=errors, ok=ok, output=output, run=run,
+                      timed_out=run.timed_out, skipped=int(counts.get("skipped", 0)), warm=warm,
+                      fallback_reason=fallback_reason)

@@ -1,0 +1,308 @@
+"""The sandbox API on real runs: files in, output out, limits, timeouts, exact test counts, cold and warm.
+
+Every test runs real sandboxed processes (bubblewrap where the machine allows it, else the weak tier,
+whichever the probe reaches); nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from realtime_rl.config import SandboxConfig
+from realtime_rl.environments.sandbox import IsolationLevel, Sandbox, WarmPool, probe_isolation
+from tests.conftest import EXERCISM
+
+
+def _probe_or_skip():
+    try:
+        return probe_isolation("auto")
+    except RuntimeError as e:
+        pytest.skip(f"no sandbox tier can run here: {e}")
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Sandbox:
+    _probe_or_skip()
+    return Sandbox(SandboxConfig(wall_s=20))
+
+
+@pytest.fixture(scope="module")
+def pool(sandbox):
+    with WarmPool(sandbox=sandbox) as pool:
+        yield pool
+
+
+def host_pids_with(token: str) -> list[int]:
+    """Live host processes whose command line carries `token`."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and token.encode() in open(f"/proc/{name}/cmdline", "rb").read():
+                if open(f"/proc/{name}/stat", "rb").read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X"):
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def test_probe_labels_the_tier(sandbox):
+    assert sandbox.isolation_level in (IsolationLevel.FULL, IsolationLevel.WEAK)
+    assert sandbox.isolation_label and sandbox.isolation_level.description
+    result = sandbox.run(["true"], {})
+    assert result.isolation == sandbox.isolation_level and result.isolation_label == sandbox.isolation_label
+    if sandbox.probe.cgroups.version is None:
+        assert "no cgroup limits" in sandbox.isolation_label
+
+
+def test_files_in_stdin_in_output_out(sandbox):
+    files = {"a.txt": "alpha", "sub/dir/b.bin": bytes([0, 1, 2, 255]),
+             "prog.py": "import sys\nprint(sys.stdin.read())"}
+    result = sandbox.run(["sh", "-c", "cat a.txt; od -An -tu1 sub/dir/b.bin; python3 prog.py; echo err >&2"],
+                         files, stdin=b"from stdin")
+    assert result.ok and not result.timed_out and not result.output_truncated
+    assert result.stdout.split() == ["alpha", "0", "1", "2", "255", "from", "stdin"]
+    assert result.stderr == "err\n"
+
+
+def test_runs_as_unprivileged_user_with_clean_environment(sandbox):
+    os.environ["RTRL_HOST_ONLY"] = "host-secret"
+    try:
+        result = sandbox.run(["python3", "-c", "import os; print(os.getuid(), dict(os.environ))"], {})
+    finally:
+        del os.environ["RTRL_HOST_ONLY"]
+    assert result.ok and int(result.stdout.split()[0]) != 0
+    assert "host-secret" not in result.stdout
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../x.py", "a/../../x.py", "", ".", "a\0b", "a\\b"])
+def test_bad_file_names_are_rejected(sandbox, name):
+    with pytest.raises(ValueError, match="file name"):
+        sandbox.run(["true"], {name: "x"})
+
+
+def test_bad_arguments_are_rejected(sandbox):
+    with pytest.raises(ValueError, match="argv"):
+        sandbox.run("ls", {})
+    with pytest.raises(ValueError, match="timeout_s"):
+        sandbox.run(["true"], {}, timeout_s=0)
+    with pytest.raises(ValueError, match="not among the files"):
+        sandbox.run_tests({"a.py": ""}, ["test_a.py"])
+    with pytest.raises(ValueError, match="str or bytes"):
+        sandbox.run(["true"], {"a": 3})
+
+
+def test_exit_codes(sandbox):
+    assert sandbox.run(["sh", "-c", "exit 3"], {}).exit_code == 3
+    killed = sandbox.run(["python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], {})
+    assert (killed.exit_code, killed.signal) == (137, 9)
+    missing = sandbox.run(["no-such-command"], {})
+    assert missing.exit_code == 127 and "no-such-command" in missing.stderr
+
+
+def test_output_is_truncated_and_flagged():
+    _probe_or_skip()
+    small = Sandbox(SandboxConfig(output_bytes=1024))
+    result = small.run(["python3", "-c", "print('x' * 100_000); print('y' * 10, flush=True)"], {})
+    assert result.ok and result.output_truncated and len(result.stdout) == 1024
+    assert not small.run(["echo", "short"], {}).output_truncated
+
+
+def test_timeout_kills_the_whole_tree(sandbox):
+    token = "rtrl-timeout-tree"
+    program = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    while True: pass\ntime.sleep(60)\n")
+    result = sandbox.run(["python3", "-c", program, token], {}, timeout_s=1.0)
+    assert result.timed_out and result.exit_code is None and result.duration_s < 4
+    assert host_pids_with(token) == []
+
+
+def test_memory_and_file_size_limits(sandbox):
+    mem = sandbox.run(["python3", "-c", "b = bytearray(2 * 1024**3)"], {})
+    assert not mem.ok and "MemoryError" in mem.stderr
+    big = sandbox.run(["python3", "-c", "open('f', 'wb').write(b'x' * (64 * 1024**2))"], {})
+    assert not big.ok  # RLIMIT_FSIZE (16 MB by default) stops the write
+
+
+UNITTEST_MIXED = """
+import unittest
+from sol import f
+
+class T(unittest.TestCase):
+    def setUp(self):
+        if self._testMethodName == "test_setup_error":
+            raise RuntimeError("boom")
+
+    def test_ok(self):
+        self.assertEqual(f(), 1)
+
+    def test_setup_error(self):
+        pass
+
+    @unittest.skip("not now")
+    def test_skipped(self):
+        pass
+
+    def test_subtests(self):
+        for i in range(3):
+            with self.subTest(i=i):
+                self.assertEqual(i % 2, 0)
+"""
+PYTEST_STYLE = "from sol import f\n\ndef test_a():\n    assert f() == 1\n\ndef test_b():\n    assert f(){}2\n"
+# name: (test file source, expected (passed, failed, errors, skipped), ok)
+CASES = {
+    "pytest_pass": (PYTEST_STYLE.format(" + 1 == "), (2, 0, 0, 0), True),
+    "pytest_fail": (PYTEST_STYLE.format(" == "), (1, 1, 0, 0), False),
+    "unittest_mixed": (UNITTEST_MIXED, (1, 2, 0, 1), False),
+    "import_error": ("from sol import missing\n\ndef test_a():\n    pass\n", (0, 0, 1, 0), False),
+    "syntax_error": ("def test_a(:\n    pass\n", (0, 0, 1, 0), False),
+    "no_tests": ("x = 1\n", (0, 0, 0, 0), False),
+    "raises": ("def test_a():\n    raise KeyError(1)\n\ndef test_b():\n    pass\n", (1, 1, 0, 0), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_counts_match_pytest_cold_and_warm(sandbox, pool, case):
+    source, (passed, failed, errors, skipped), ok = CASES[case]
+    files = {"sol.py": "def f():\n    return 1\n", "test_sol.py": source}
+    cold = sandbox.run_tests(files, ["test_sol.py"])
+    warm = pool.run_tests(files, ["test_sol.py"])
+    for report in (cold, warm):
+        counts = (report.passed, report.failed, report.errors, report.skipped)
+        assert counts == (passed, failed, errors, skipped), report.output
+        assert report.ok is ok and not report.timed_out
+    assert warm.warm and warm.fallback_reason is None
+
+
+def test_warm_falls_back_to_pytest_for_fixtures(pool):
+    files = {"test_fx.py": "import pytest\n\n@pytest.fixture\ndef n():\n    return 2\n\n"
+                           "def test_n(n):\n    assert n == 2\n\n@pytest.mark.parametrize('x', [1, 2, 3])\n"
+                           "def test_x(x):\n    assert x < 3\n"}
+    report = pool.run_tests(files, ["test_fx.py"])
+    assert not report.warm and "pytest" in report.fallback_reason
+    assert (report.passed, report.failed) == (3, 1)
+
+
+def test_warm_pool_is_thread_safe(pool):
+    files = {"sol.py": "def f():\n    return 1\n", "test_sol.py": CASES["pytest_fail"][0]}
+    with ThreadPoolExecutor(4) as ex:
+        reports = list(ex.map(lambda _: pool.run_tests(files, ["test_sol.py"]), range(24)))
+    assert all((r.passed, r.failed, r.warm) == (1, 1, True) for r in reports)
+
+
+def test_warm_slot_survives_a_hang_and_a_killed_slot(pool):
+    hang = {"test_h.py": "def test_h():\n    while True:\n        pass\n"}
+    report = pool.run_tests(hang, ["test_h.py"], timeout_s=1.0)
+    assert report.timed_out and not report.ok and report.warm
+    kill_slot = {"test_k.py": "import os\n\ndef test_k():\n    os.kill(os.getppid(), 9)  # the slot server\n"}
+    report = pool.run_tests(kill_slot, ["test_k.py"])
+    assert not report.warm and "slot failed" in report.fallback_reason  # ran cold; the slot is replaced
+    ok = {"test_ok.py": "def test_ok():\n    pass\n"}
+    reports = [pool.run_tests(ok, ["test_ok.py"]) for _ in range(4)]
+    assert all(r.ok and r.warm for r in reports)
+
+
+def test_warm_runs_do_not_leak_into_each_other(pool):
+    full = pool.sandbox.isolation_level == IsolationLevel.FULL
+    scratch = "/tmp" if full else "."  # the weak tier's /tmp is the host's
+    plant = {"test_p.py": f"def test_p():\n    open('{scratch}/planted', 'w').write('x')\n"
+                          "    open('../planted.py', 'w').write('X = 1')\n"}
+    assert pool.run_tests(plant, ["test_p.py"]).ok
+    check = {"test_c.py": f"import os\n\ndef test_c():\n    assert not os.path.exists('{scratch}/planted')\n"
+                          "    assert not os.path.exists('../planted.py')\n"}
+    assert all(pool.run_tests(check, ["test_c.py"]).ok for _ in range(2 * pool.config.pool_size))
+
+
+def _exercism_tasks():
+    if not EXERCISM.is_dir():
+        pytest.skip(f"task data not found at {EXERCISM}")
+    from realtime_rl.environments.tasks import load_tasks
+
+    return load_tasks(EXERCISM)
+
+
+# ledger is a refactoring exercise: its stub is working (ugly) code and passes its own tests.
+STUB_PASSES = {"ledger"}
+
+
+def _graded(task, which: str) -> tuple[dict, list[str]]:
+    files = task.workspace()
+    if which == "reference":
+        files.update(task.reference_solution())
+    files.update(task.pristine_tests())
+    return files, list(task.test_files)
+
+
+def test_exercism_warm_references_pass_and_stubs_fail(pool):
+    tasks = _exercism_tasks()
+    with ThreadPoolExecutor(pool.config.pool_size) as ex:
+        ref = list(ex.map(lambda t: pool.run_tests(*_graded(t, "reference")), tasks))
+        stub = list(ex.map(lambda t: pool.run_tests(*_graded(t, "stub")), tasks))
+    assert [t.task_id for t, r in zip(tasks, ref, strict=True) if not r.ok] == []
+    passing_stubs = [t.task_id for t, r in zip(tasks, stub, strict=True) if r.ok]
+    assert passing_stubs == sorted(STUB_PASSES & {t.task_id for t in tasks})
+    assert all(r.warm for r in ref + stub), [r.fallback_reason for r in ref + stub if not r.warm]
+
+
+@pytest.mark.slow
+def test_exercism_grading_cold_matches_warm(sandbox, pool):
+    """Fresh sandboxes with pytest: every reference passes, every stub fails, same counts as the warm pool."""
+    tasks = _exercism_tasks()
+    jobs = [(t, which) for t in tasks for which in ("reference", "stub")]
+    with ThreadPoolExecutor(2) as ex:
+        cold = list(ex.map(lambda j: sandbox.run_tests(*_graded(*j)), jobs))
+    warm = [pool.run_tests(*_graded(*j)) for j in jobs]
+    for (task, which), c, w in zip(jobs, cold, warm, strict=True):
+        expect_ok = which == "reference" or task.task_id in STUB_PASSES
+        assert c.ok is expect_ok, f"{task.task_id} {which}: {c.output[-500:]}"
+        assert (c.passed, c.failed, c.errors) == (w.passed, w.failed, w.errors), f"{task.task_id} {which}"
+
+
+def test_grading_uses_pristine_read_only_tests(sandbox):
+    tests = {"test_add.py": "from calc import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"}
+    agent = {"calc.py": "def add(a, b):\n    return 0\n", "test_add.py": "def test_add():\n    assert True\n",
+             "conftest.py": "raise SystemExit(0)\n"}
+    graded = {**agent, **tests}
+    report = sandbox.run_tests(graded, ["test_add.py"])
+    assert (report.ok, report.passed, report.failed) == (False, 0, 1)
+    if sandbox.isolation_level == IsolationLevel.FULL:  # the weak tier cannot mount the tests read-only
+        files = {"calc.py": CALC_WRITES_TESTS, "test_add.py": TESTS_SEE_WRITE}
+        report = sandbox.run_tests(files, ["test_add.py"])
+        assert (report.ok, report.passed) == (True, 2), report.output
+
+
+CALC_WRITES_TESTS = """
+import os
+try:
+    os.chmod("test_add.py", 0o666)
+    with open("test_add.py", "a") as f:
+        f.write("x")
+    wrote = True
+except OSError:
+    wrote = False
+
+def add(a, b):
+    return a + b
+"""
+TESTS_SEE_WRITE = """
+from calc import add, wrote
+
+def test_add():
+    assert add(1, 2) == 3
+
+def test_read_only():
+    assert not wrote
+"""
+
+
+def test_threads_share_one_probe():
+    _probe_or_skip()
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(Sandbox().probe)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(seen) == 4 and all(p is seen[0] for p in seen)
