@@ -216,6 +216,7 @@ class Engine:
                     seed = None if req.params.seed is None else req.params.seed + i
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
                     gen = torch.Generator(device=self.device).manual_seed(seed)
+                    self._free_slots.sort()
                     req.seqs.append(_Seq(req, i, self._free_slots.pop(0), gen))
                 admitted.append(req)
         if not admitted:
@@ -247,12 +248,17 @@ class Engine:
         self._running += rows
 
     def _decode(self) -> None:
-        seqs = [s for s in self._running if s.finish_reason is None]
+        seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)
         if not seqs:
             return
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         positions = torch.tensor([[len(s.req.prompt_ids) + len(s.token_ids) - 1] for s in seqs], device=self.device)
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        first = seqs[0].slot
+        slots: torch.Tensor | slice
+        if seqs[-1].slot - first == len(seqs) - 1:  # consecutive slots: the cache is read as a view
+            slots = slice(first, first + len(seqs))
+        else:
+            slots = torch.tensor([s.slot for s in seqs], device=self.device)
         with torch.no_grad():
             out = self.model(ids, positions, kv_cache=self.cache, cache_slots=slots,
                              capture_routing=self.capture_routing)

@@ -36,22 +36,32 @@ class KVCache:
     def update(
         self,
         layer_idx: int,
-        slots_B: torch.Tensor,
+        slots: torch.Tensor | slice,
         positions_BT: torch.Tensor,
         k_BHTD: torch.Tensor,
         v_BHTD: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new keys/values, return each row's cached prefix as (k, v) of shape [B, H, S, D]."""
+        """Write new keys/values, return each row's cached prefix as (k, v) of shape [B, H, S, D].
+
+        `slots` is a LongTensor [B] of slot ids, or a `slice` of consecutive slots in row order: then the
+        prefix is read as a view instead of gathered (the engine passes one when its batch is contiguous).
+        """
         length = int(positions_BT.max()) + 1
         if length > self.max_seq_len:
             raise ValueError(f"position {length - 1} exceeds the KV cache length {self.max_seq_len}")
         k_cache, v_cache = self.k_LSPHD[layer_idx], self.v_LSPHD[layer_idx]
-        rows = slots_B[:, None].expand_as(positions_BT)
+        if isinstance(slots, slice):
+            k_cache, v_cache = k_cache[slots], v_cache[slots]
+            rows = torch.arange(k_cache.shape[0], device=positions_BT.device)[:, None].expand_as(positions_BT)
+        else:
+            rows = slots[:, None].expand_as(positions_BT)
         k_cache[rows, positions_BT] = k_BHTD.transpose(1, 2).to(k_cache.dtype)
         v_cache[rows, positions_BT] = v_BHTD.transpose(1, 2).to(v_cache.dtype)
+        if isinstance(slots, slice):
+            return k_cache[:, :length].transpose(1, 2), v_cache[:, :length].transpose(1, 2)
         return (
-            k_cache[slots_B, :length].transpose(1, 2),
-            v_cache[slots_B, :length].transpose(1, 2),
+            k_cache[slots, :length].transpose(1, 2),
+            v_cache[slots, :length].transpose(1, 2),
         )
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:

@@ -83,7 +83,7 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         positions_BT: torch.Tensor,
         kv_cache: KVCache | None,
-        cache_slots_B: torch.Tensor | None,
+        cache_slots_B: torch.Tensor | slice | None,
     ) -> torch.Tensor:
         B, T, _ = x_BTC.shape
         q_BHTD = self.q_norm(self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)

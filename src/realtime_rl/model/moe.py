@@ -19,6 +19,10 @@ from torch import nn
 
 from realtime_rl.config import ModelConfig
 
+# torch >= 2.10 has a grouped matmul with CPU and CUDA kernels; its CPU backward is not usable yet,
+# so training keeps the per-expert loop.
+_GROUPED_MM = getattr(F, "grouped_mm", None)
+
 
 class Router(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -57,24 +61,28 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x_NC: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-        out_NC = torch.zeros_like(x_NC)
-        # One pass per expert that received tokens: gather its tokens, run its SwiGLU, scatter-add back.
-        token_idx_M, slot_idx_M = torch.nonzero(indices_NK >= 0, as_tuple=True)
-        expert_of_M = indices_NK[token_idx_M, slot_idx_M]
-        order = torch.argsort(expert_of_M, stable=True)
-        token_idx_M, slot_idx_M, expert_of_M = token_idx_M[order], slot_idx_M[order], expert_of_M[order]
-        counts = torch.bincount(expert_of_M, minlength=self.num_experts).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            tok = token_idx_M[start : start + count]
-            slot = slot_idx_M[start : start + count]
-            start += count
-            gate, up = F.linear(x_NC[tok], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out_NC.index_add_(0, tok, y * weights_NK[tok, slot, None])
-        return out_NC
+        # Group the (token, slot) pairs by expert: one sort, then one matmul per expert (or one grouped matmul).
+        flat_expert_M = indices_NK.reshape(-1)
+        order_M = torch.argsort(flat_expert_M, stable=True)
+        token_M = order_M // indices_NK.shape[1]
+        x_MC = x_NC[token_M]
+        w_M = weights_NK.reshape(-1)[order_M]
+        counts_E = torch.bincount(flat_expert_M, minlength=self.num_experts)
+        if _GROUPED_MM is not None and not torch.is_grad_enabled():
+            # Inference: two grouped matmuls instead of a Python loop over experts.
+            offs_E = counts_E.cumsum(0).to(torch.int32)
+            gate, up = _GROUPED_MM(x_MC, self.gate_up_proj.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
+            y_MC = _GROUPED_MM((F.silu(gate) * up).contiguous(), self.down_proj.transpose(-2, -1), offs=offs_E)
+        else:
+            parts = []
+            start = 0
+            for expert, count in enumerate(counts_E.tolist()):
+                if count:
+                    gate, up = F.linear(x_MC[start:start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                    parts.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+                    start += count
+            y_MC = torch.cat(parts)
+        return torch.zeros_like(x_NC).index_add_(0, token_M, y_MC * w_M[:, None])
 
 
 class SparseMoeBlock(nn.Module):

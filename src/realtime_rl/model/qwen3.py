@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         positions_BT: torch.Tensor,
         kv_cache: KVCache | None,
-        cache_slots_B: torch.Tensor | None,
+        cache_slots_B: torch.Tensor | slice | None,
         replay_BTK: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x_BTC = x_BTC + self.self_attn(self.input_layernorm(x_BTC), cos_sin, positions_BT, kv_cache, cache_slots_B)
@@ -109,11 +109,14 @@ class Qwen3ForCausalLM(nn.Module):
         positions_BT: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
-        cache_slots: torch.Tensor | None = None,
+        cache_slots: torch.Tensor | slice | None = None,
         capture_routing: bool = False,
         replay_routing: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """Logits for every position; optionally capture or replay MoE routing ([B, T, moe layers, k])."""
+        """Logits for every position; optionally capture or replay MoE routing ([B, T, moe layers, k]).
+
+        cache_slots: the KV-cache slot of each row, a LongTensor [B] or a slice of consecutive slots.
+        """
         B, T = input_ids_BT.shape
         if positions_BT is None:
             if kv_cache is not None:
