@@ -56,3 +56,14 @@ def test_bad_input_exits_nonzero_with_one_line(args, message):
 def test_unknown_benchmark_is_refused():
     proc = run("bench", "nope")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_mismatch_meets_the_replay_target_on_cpu_fp32(tmp_path):
+    out = tmp_path / "mismatch.json"
+    proc = run("bench", "mismatch", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(out.read_text())["metrics"]
+    assert m["dtype"] == "float32" and m["tokens"] > 0
+    assert m["k3_kl_replay"] <= 1e-6 and m["routing_disagreement_replay"] == 0.0
+    assert m["max_abs_logprob_diff_replay"] < 1e-4
