@@ -1,8 +1,8 @@
 """The `rtrl` command. One entry point; each subcommand reads its config (`--config FILE.toml`,
 `--set key=value`), shows progress, and exits non-zero with a one-line reason on bad input.
 
-Subcommands appear here as their stage lands: `demo`, `eval` and `bench` today; `pretrain`, `train`,
-`serve`, `loop`, `registry` and `simulate-users` arrive with the issues that build them.
+Subcommands appear here as their stage lands: `demo`, `eval`, `serve` and `bench` today; `pretrain`,
+`train`, `loop`, `registry` and `simulate-users` arrive with the issues that build them.
 """
 
 from __future__ import annotations
@@ -12,13 +12,18 @@ import json
 import sys
 from pathlib import Path
 
-from realtime_rl.config import DemoConfig, EvalConfig, load_config
+from realtime_rl.config import DemoConfig, EvalConfig, ServeConfig, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML recipe (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config field, e.g. --set model.num_experts=8 (repeatable)")
+
+
+def _flag_overrides(flags: dict[str, object]) -> list[str]:
+    """Command-line flags as `--set` strings (TOML literals), applied before the user's own --set."""
+    return [f"{k}={json.dumps(str(v) if isinstance(v, Path) else v)}" for k, v in flags.items() if v is not None]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--workers", type=int, help="concurrent tasks")
     ev.add_argument("--limit", type=int, help="only the first N tasks")
     ev.add_argument("--json", type=Path, help="write the report here")
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible gateway in front of the engine")
+    _add_config_args(serve)
+    serve.add_argument("--checkpoint", type=Path, help="the checkpoint directory to serve")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind (default 8000)")
 
     from realtime_rl.bench import BENCHMARKS
 
@@ -61,13 +72,20 @@ def _run(args: argparse.Namespace) -> int:
 
         flags = {"tasks": args.tasks, "solutions": args.solutions, "checkpoint": args.checkpoint,
                  "samples": args.samples, "workers": args.workers, "limit": args.limit}
-        overrides = [f"{k}={json.dumps(str(v) if isinstance(v, Path) else v)}" for k, v in flags.items() if v is not None]
+        overrides = _flag_overrides(flags)
         report = run_eval(load_config(EvalConfig, args.config, [*overrides, *args.overrides]))
         summary = {k: v for k, v in report.items() if k != "per_task"}
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(summary, indent=2))
+        return 0
+    if args.command == "serve":
+        from realtime_rl.serve import run_server
+
+        flags = {"checkpoint": args.checkpoint, "host": args.host, "port": args.port}
+        overrides = _flag_overrides(flags)
+        run_server(load_config(ServeConfig, args.config, [*overrides, *args.overrides]))
         return 0
     if args.command == "bench":
         from realtime_rl.bench import run_benchmark

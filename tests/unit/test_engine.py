@@ -217,3 +217,12 @@ def test_async_engine_backpressure_timeouts_and_threads(moe):
                                   timeout_s=0.001)
         # The timed-out request was aborted: its slot is free again and the engine still serves.
         assert aengine.generate_sync(prompts(3)[0], GREEDY, 60).samples[0].finish_reason == "length"
+
+
+def test_a_vanishing_top_p_keeps_the_top_token(moe):
+    """5e-324 rounds to 0 in fp32; the engine must still sample (the top token) rather than die."""
+    p = prompts(5)[0]
+    out = Engine(moe).generate([p], SamplingParams(temperature=1.0, top_p=5e-324, max_tokens=4, seed=0,
+                                                   ignore_eos=True))[0].samples[0]
+    assert out.token_ids == Engine(moe).generate([p], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                      ignore_eos=True))[0].samples[0].token_ids

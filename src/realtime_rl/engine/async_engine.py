@@ -79,11 +79,11 @@ class AsyncEngine:
         torch.set_grad_enabled(False)
         try:
             while not self._stop.is_set():
+                self._wake.clear()  # before looking for work, so a submit in between is never missed
                 if self.engine.has_work():
                     self.engine.step()
                 else:
                     self._wake.wait(self.idle_wait_s)
-                    self._wake.clear()
         except BaseException as e:  # surfaced to every later caller instead of hanging them
             self.error = e
             raise

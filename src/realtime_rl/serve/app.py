@@ -1,0 +1,72 @@
+"""`create_app(settings, engine=None, store=None)`: the gateway as a FastAPI app.
+
+    app = create_app(ServeConfig(checkpoint="runs/demo/checkpoint", allow_unauthenticated=True))
+    uvicorn.run(app)                      # or run_server(settings), which `rtrl serve` calls
+
+An engine or store passed in belongs to the caller (the app starts the engine's thread if needed and
+never stops or closes them); missing ones are built by the lifespan from the settings (the checkpoint;
+SQLite in run_dir/events.sqlite) and torn down with the app. The engine's own max_seq_len and
+max_batch bound requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import torch
+from fastapi import FastAPI
+
+from realtime_rl.collect import EventStore, open_event_store
+from realtime_rl.config import ServeConfig
+from realtime_rl.engine import AsyncEngine, Engine
+from realtime_rl.model import load_checkpoint
+from realtime_rl.serve.deps import ServeState
+from realtime_rl.serve.errors import install_error_handlers
+from realtime_rl.serve.metrics import GatewayMetrics, MetricsMiddleware
+from realtime_rl.serve.routes import chat, health, models
+
+
+def build_engine(settings: ServeConfig) -> AsyncEngine:
+    """Load the checkpoint and wrap it in a started AsyncEngine; ValueError names what is wrong."""
+    if settings.checkpoint is None:
+        raise ValueError("checkpoint: give the checkpoint directory to serve (--set checkpoint=DIR)")
+    dtype = getattr(torch, settings.dtype) if settings.dtype else None
+    ckpt = load_checkpoint(settings.checkpoint, device=settings.device, dtype=dtype)
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{settings.checkpoint}: no tokenizer.json; the gateway needs the checkpoint's tokenizer")
+    engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=settings.max_batch, max_seq_len=settings.max_seq_len)
+    return AsyncEngine(engine, max_pending=settings.max_pending).start()
+
+
+def create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: EventStore | None = None) -> FastAPI:
+    if engine is not None and engine.engine.tokenizer is None:
+        raise ValueError("the engine has no tokenizer; the gateway renders and decodes text with it")
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            live_engine = engine
+            if live_engine is None:
+                live_engine = build_engine(settings)
+                stack.callback(live_engine.stop)
+            live_engine.start()
+            live_store = store
+            if live_store is None:
+                live_store = open_event_store(settings.run_dir, settings.database_url)
+                stack.callback(live_store.close)
+            metrics.bind_engine(live_engine)
+            app.state.serve = ServeState(settings, live_engine, live_store, live_engine.engine.tokenizer, metrics,
+                                         int(time.time()))
+            yield
+
+    app = FastAPI(title="realtime-rl gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible chat completions; every completion is recorded before it is answered.")
+    install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.include_router(chat.router)
+    app.include_router(models.router)
+    app.include_router(health.router)
+    return app

@@ -1,0 +1,190 @@
+"""From a validated request to engine input, and from engine output to the answer and the record.
+
+    prepared = prepare(body, tokenizer, max_seq_len, max_batch, default_max_tokens)   # may raise ApiError(400)
+    public, record = build_choice(sample, prepared, tokenizer, completion_id)      # for each sample
+    record = build_record(output, prepared, choice_records, info, stream)
+
+The prompt is `tokenizer.encode(render_messages(messages, tools, add_generation_prompt=True))`, with the
+tools left out when tool_choice is "none". Generation stops at the tokenizer's stop tokens. A prompt
+that leaves no room in the context, or an explicit max_tokens that does not fit beside it, is a 400;
+without max_tokens the default is cut to the room left.
+
+A choice whose text holds tool calls that all parse (against the offered tools) is answered in the
+OpenAI `tool_calls` shape with finish_reason "tool_calls"; if any call is malformed, or no tools were
+offered, the whole text is answered as content, and the record keeps the parser's errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.concurrency import run_in_threadpool
+
+from realtime_rl.collect import ChoiceRecord, CompletionRecord, EventStore
+from realtime_rl.engine import EngineOverloaded, RequestOutput, SampleOutput, SamplingParams
+from realtime_rl.model import Tokenizer, parse_assistant, render_messages
+from realtime_rl.serve.errors import ApiError
+from realtime_rl.serve.metrics import GatewayMetrics
+from realtime_rl.serve.schemas import (
+    AssistantMessagePublic, ChatCompletionCreate, ChoiceLogprobsPublic, ChoicePublic, TokenLogprobPublic,
+    TopLogprobPublic, UsagePublic,
+)
+from realtime_rl.types import ToolCall
+
+log = logging.getLogger(__name__)
+STORE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Prepared:
+    body: ChatCompletionCreate
+    tools: list[dict[str, Any]] | None
+    """The tools offered to the model (None when none were given or tool_choice is "none")."""
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def prepare(body: ChatCompletionCreate, tokenizer: Tokenizer, max_seq_len: int, max_batch: int,
+            default_max_tokens: int) -> Prepared:
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    messages = [m.to_chat() for m in body.messages]
+    prompt_ids = tokenizer.encode(render_messages(messages, tools, add_generation_prompt=True))
+    room = max_seq_len - len(prompt_ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds {max_seq_len} "
+                            "(prompt and completion together). Shorten the messages.",
+                       param="messages", code="context_length_exceeded")
+    requested = body.max_completion_tokens or body.max_tokens
+    if requested is not None and requested > room:
+        name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        raise ApiError(400, f"{name}={requested} does not fit: the context holds {max_seq_len} tokens and the "
+                            f"prompt takes {len(prompt_ids)}, leaving {room}", param=name,
+                       code="context_length_exceeded")
+    n = body.n or 1
+    if n > max_batch:
+        raise ApiError(400, f"n={n} exceeds the engine's batch of {max_batch}", param="n", code="invalid_value")
+    try:  # the schema already bounds every field; this keeps any disagreement a 400
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,  # the engine always keeps the top token
+            max_tokens=requested or min(default_max_tokens, room),
+            n=n, seed=body.seed, stop=body.stops, stop_token_ids=tokenizer.stop_token_ids,
+            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e), code="invalid_value") from None
+    return Prepared(body, tools, prompt_ids, params)
+
+
+@contextmanager
+def engine_errors(engine_error: BaseException | None) -> Iterator[None]:
+    """Map engine failures to answers: overload 503 (Retry-After), timeout 504, a refused prompt 400."""
+    if engine_error is not None:
+        raise ApiError(503, "the engine has stopped; the gateway cannot serve completions", code="engine_unavailable")
+    try:
+        yield
+    except EngineOverloaded as e:
+        raise ApiError(503, f"the engine is overloaded ({e}); retry shortly", code="overloaded",
+                       headers={"Retry-After": "1"}) from None
+    except TimeoutError as e:
+        raise ApiError(504, f"{e}; ask for fewer tokens or retry", code="timeout") from None
+    except ValueError as e:  # the engine's own checks of the prompt and parameters
+        raise ApiError(400, str(e), code="invalid_value") from None
+
+
+def _finish_reason(sample: SampleOutput) -> str:
+    assert sample.finish_reason in ("stop", "length"), f"unexpected finish {sample.finish_reason}"
+    return sample.finish_reason
+
+
+def _logprobs(sample: SampleOutput, tokenizer: Tokenizer) -> ChoiceLogprobsPublic:
+    """Untempered model logprobs (those the top alternatives come from); a final stop token is left out."""
+    ids = sample.token_ids
+    if ids and ids[-1] in tokenizer.stop_token_ids and sample.finish_reason == "stop":
+        ids = ids[:-1]
+
+    def entry(token_id: int, logprob: float) -> TopLogprobPublic:
+        text = tokenizer.decode([token_id])
+        return TopLogprobPublic(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    content = []
+    for t, token_id in enumerate(ids):
+        head = entry(token_id, sample.raw_logprobs[t])
+        top = [entry(i, lp) for i, lp in sample.top_logprobs[t]] if t < len(sample.top_logprobs) else []
+        content.append(TokenLogprobPublic(**head.model_dump(), top_logprobs=top))
+    return ChoiceLogprobsPublic(content=content)
+
+
+def build_choice(sample: SampleOutput, prepared: Prepared, tokenizer: Tokenizer,
+                 completion_id: str) -> tuple[ChoicePublic, ChoiceRecord]:
+    text = sample.text or ""
+    parsed = parse_assistant(text, prepared.tools or [])
+    if prepared.tools and parsed.tool_calls and parsed.ok:
+        suffix = completion_id.removeprefix("chatcmpl-")
+        calls = [ToolCall(id=f"call_{suffix}_{sample.index}_{i}", function=c.function)
+                 for i, c in enumerate(parsed.tool_calls)]
+        message = AssistantMessagePublic(content=parsed.content or None, tool_calls=calls)
+        finish = "tool_calls"
+    else:
+        calls = parsed.tool_calls
+        message = AssistantMessagePublic(content=text)
+        finish = _finish_reason(sample)
+    logprobs = _logprobs(sample, tokenizer) if prepared.body.logprobs else None
+    public = ChoicePublic(index=sample.index, message=message, logprobs=logprobs, finish_reason=finish)
+    record = ChoiceRecord(
+        index=sample.index, token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
+        raw_logprobs=list(sample.raw_logprobs), versions=list(sample.versions), finish_reason=finish, text=text,
+        content=message.content, tool_calls=calls, tool_call_errors=parsed.errors, routing=sample.routing,
+    )
+    return public, record
+
+
+@dataclass
+class RequestInfo:
+    """Who asked, when, and the id the answer and the record share."""
+
+    completion_id: str
+    created_at: float
+    model_name: str
+    user: str | None
+    session_id: str | None
+    api_key_name: str | None
+
+
+def build_record(output: RequestOutput, prepared: Prepared, choices: list[ChoiceRecord], info: RequestInfo,
+                 stream: bool) -> CompletionRecord:
+    return CompletionRecord(
+        completion_id=info.completion_id, created_at=info.created_at, model_name=info.model_name,
+        model_version=min(min(s.versions) for s in output.samples), prompt_token_ids=list(output.prompt_ids),
+        choices=choices, request_json=prepared.body.model_dump_json(exclude_none=True), user=info.user,
+        session_id=info.session_id, api_key_name=info.api_key_name, latency_s=time.time() - info.created_at,
+        queued_s=output.queued_s, first_token_s=output.first_token_s, stream=stream,
+    )
+
+
+async def record_completion(store: EventStore, metrics: GatewayMetrics, record: CompletionRecord) -> None:
+    """Write the record before the answer goes out; a store that fails or stalls is a 503, never a lost record."""
+    try:
+        await asyncio.wait_for(run_in_threadpool(store.add_completion, record), STORE_TIMEOUT_S)
+    except Exception as e:  # the store is a real boundary: disk full, locked, closed, slow
+        log.exception("could not record completion %s", record.completion_id)
+        raise ApiError(503, f"the event store could not record the completion ({type(e).__name__}); retry",
+                       code="store_unavailable", headers={"Retry-After": "1"}) from None
+    metrics.completions.inc()
+    metrics.prompt_tokens.inc(len(record.prompt_token_ids))
+    metrics.generated_tokens.inc(record.completion_tokens)
+    metrics.malformed_tool_calls.inc(sum(c.malformed_tool_calls for c in record.choices))
+
+
+def usage(record: CompletionRecord) -> UsagePublic:
+    prompt = len(record.prompt_token_ids)
+    return UsagePublic(prompt_tokens=prompt, completion_tokens=record.completion_tokens,
+                       total_tokens=prompt + record.completion_tokens)

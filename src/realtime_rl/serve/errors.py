@@ -1,0 +1,132 @@
+"""Every error the gateway answers has the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
+
+Bad input is a 4xx whose message says what to fix: validation errors (FastAPI's 422) and malformed JSON
+become 400 naming the field; unknown routes 404, wrong methods 405. 503 (overloaded, with Retry-After;
+or the event store unavailable) and 504 (generation timed out) are the server's faults. Anything else
+is a bug: it is logged and answered 500 in the same shape, without internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from realtime_rl.serve.schemas import ApiModel
+
+log = logging.getLogger(__name__)
+
+class ErrorDetail(ApiModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorPublic(ApiModel):
+    """The OpenAI error shape, for every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+class ApiError(Exception):
+    """Raised anywhere in a request; answered by `api_error_handler`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "server_error")
+        self.headers = dict(headers or {})
+
+    def body(self) -> ErrorPublic:
+        return ErrorPublic(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
+
+
+# Pydantic puts the tag of a discriminated union in error locations ("messages", 0, "user", "content");
+# the client named no such field, so it is left out of `param`.
+_MESSAGE_TAGS = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _param(error: Mapping[str, Any]) -> str:
+    """("body", "messages", 0, "user", "content") -> "messages[0].content"."""
+    loc = list(error.get("loc", ()))
+    if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        loc.append(str((error.get("ctx") or {}).get("discriminator", "")).strip("'"))
+    out, prev = "", None
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if not (isinstance(prev, int) and part in _MESSAGE_TAGS):
+            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        prev = part
+    return out
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    errors = list(exc.errors())
+    if not errors:
+        return ApiError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error", "decode error")
+        return ApiError(400, f"the request body is not valid JSON: {why}", code="invalid_json")
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return ApiError(400, "the request needs a JSON body", code="missing_body")
+    messages = []
+    for e in errors[:5]:
+        where, msg = _param(e), str(e.get("msg")).removeprefix("Value error, ")
+        msg = msg if len(msg) <= 300 else msg[:300] + "..."  # messages may quote the input
+        messages.append(f"{where}: {msg}" if where else msg)
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return ApiError(400, "; ".join(messages) + more, param=_param(first) or None, code="invalid_value")
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(exc))
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    message = exc.detail if isinstance(exc.detail, str) else "request failed"
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    return error_response(ApiError(exc.status_code, message, headers=exc.headers))
+
+
+async def unhandled_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(ApiError(500, "internal error; the gateway logged it", code="internal_error"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, unhandled_error_handler)
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorPublic, "description": why} for status, why in [
+        (400, "Bad input: the message names the field to fix"), (401, "No valid bearer key"),
+        (403, "The key lacks the scope"), (404, "Unknown model"),
+        (503, "Overloaded (Retry-After) or the event store is unavailable"), (504, "Generation timed out"),
+    ]
+}

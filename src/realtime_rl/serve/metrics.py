@@ -1,0 +1,76 @@
+"""Prometheus metrics of one gateway, in a registry of its own (several apps may share a process in tests).
+
+    rtrl_serve_requests_total{route, method, status}    every answered request; route is the template
+    rtrl_serve_request_duration_seconds{route}           until the last byte of the body (streams included)
+    rtrl_serve_prompt_tokens_total, rtrl_serve_generated_tokens_total, rtrl_serve_completions_total
+    rtrl_serve_malformed_tool_calls_total
+    rtrl_serve_engine_waiting, rtrl_serve_engine_running, rtrl_serve_model_version   (read at scrape time)
+
+`MetricsMiddleware` is plain ASGI so that it sees the end of streamed bodies. Unmatched paths count
+under route "unmatched", so a scanner cannot grow the label set.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from realtime_rl.engine import AsyncEngine
+
+_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("rtrl_serve_requests", "Answered requests", ["route", "method", "status"], registry=r)
+        self.duration = Histogram("rtrl_serve_request_duration_seconds", "Request duration to the last body byte",
+                                  ["route"], buckets=_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("rtrl_serve_prompt_tokens", "Prompt tokens of recorded completions", registry=r)
+        self.generated_tokens = Counter("rtrl_serve_generated_tokens", "Tokens generated and recorded", registry=r)
+        self.completions = Counter("rtrl_serve_completions", "Completions recorded in the event store", registry=r)
+        self.malformed_tool_calls = Counter("rtrl_serve_malformed_tool_calls", "Tool calls the parser rejected",
+                                            registry=r)
+        self.engine_waiting = Gauge("rtrl_serve_engine_waiting", "Requests queued in the engine", registry=r)
+        self.engine_running = Gauge("rtrl_serve_engine_running", "Sequences decoding in the engine", registry=r)
+        self.model_version = Gauge("rtrl_serve_model_version", "Policy version the engine serves", registry=r)
+
+    def bind_engine(self, engine: AsyncEngine) -> None:
+        self.engine_waiting.set_function(lambda: engine.engine.num_waiting)
+        self.engine_running.set_function(lambda: engine.engine.num_running)
+        self.model_version.set_function(lambda: engine.version)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500  # what the client sees if the app fails before starting a response
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            self.metrics.requests.labels(template, method, str(status)).inc()
+            self.metrics.duration.labels(template).observe(time.perf_counter() - t0)

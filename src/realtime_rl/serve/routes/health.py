@@ -1,0 +1,30 @@
+"""GET /health (no key: for load balancers) and GET /metrics (no key: Prometheus text).
+
+/metrics needs no key, as scrapers usually expect: it holds aggregate counters only (no prompts, users
+or keys). Expose the gateway beyond a trusted network only behind a proxy that guards /metrics.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from realtime_rl.serve.deps import StateDep
+from realtime_rl.serve.schemas import HealthPublic
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health", response_model=HealthPublic, responses={503: {"model": HealthPublic}})
+async def health(state: StateDep) -> JSONResponse:
+    engine = state.engine
+    body = HealthPublic(status="ok" if engine.error is None else "unavailable", model=state.settings.model_name,
+                        model_version=engine.version, engine_waiting=engine.engine.num_waiting,
+                        engine_running=engine.engine.num_running)
+    return JSONResponse(body.model_dump(), status_code=200 if body.status == "ok" else 503)
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+async def metrics(state: StateDep) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,296 @@
+"""Wire types of the gateway: OpenAI chat-completions requests (`...Create`) and answers (`...Public`).
+
+Requests are validated here, so a bad field is a 400 naming it: parameter ranges, each role's required
+fields, tool definitions (JSON-schema objects the tool-call parser can use), unknown fields, and what we
+do not implement (non-zero penalties, tool_choice "required" or a named function) is refused, not ignored.
+Messages convert to `realtime_rl.types.ChatMessage`, the type the chat renderer takes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from realtime_rl.types import ChatMessage, ToolCall
+
+
+class ApiModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class TextPart(ApiModel):
+    type: Literal["text"]
+    text: str
+
+
+class _MessageCreate(ApiModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)
+
+    def to_chat(self) -> ChatMessage:
+        text = "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text, name=self.name,
+                           tool_calls=getattr(self, "tool_calls", None), tool_call_id=getattr(self, "tool_call_id", None))
+
+
+class SystemMessageCreate(_MessageCreate):
+    role: Literal["system"]
+    content: str | list[TextPart]
+
+
+class DeveloperMessageCreate(_MessageCreate):
+    """Read as a system message."""
+
+    role: Literal["developer"]
+    content: str | list[TextPart]
+
+
+class UserMessageCreate(_MessageCreate):
+    role: Literal["user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessageCreate(_MessageCreate):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+
+    @model_validator(mode="after")
+    def _check(self) -> AssistantMessageCreate:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessageCreate(_MessageCreate):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str = Field(min_length=1, max_length=256)
+    """The id of the call this message answers."""
+
+
+MessageCreate = Annotated[
+    SystemMessageCreate | DeveloperMessageCreate | UserMessageCreate | AssistantMessageCreate | ToolMessageCreate,
+    Field(discriminator="role"),
+]
+
+
+def _depth(value: Any, limit: int) -> int:
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
+
+
+def _check_parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    if _depth(schema, 32) > 32:
+        raise ValueError("parameters nest deeper than 32 levels")
+    if schema.get("type", "object") != "object":
+        raise ValueError('parameters must be a JSON schema of "type": "object"')
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+        raise ValueError("parameters.properties must map each argument name to a JSON schema object")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError("parameters.required must be a list of argument names")
+    unknown = [r for r in required if "properties" in schema and r not in props]
+    if unknown:
+        raise ValueError(f"parameters.required names arguments not in properties: {', '.join(unknown)}")
+    if not isinstance(schema.get("additionalProperties", True), (bool, dict)):
+        raise ValueError("parameters.additionalProperties must be a boolean or a schema")
+    return schema
+
+
+class FunctionDefinition(ApiModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return v if v is None else _check_parameters(v)
+
+
+class ToolDefinition(ApiModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(ApiModel):
+    name: str
+
+
+class NamedToolChoice(ApiModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(ApiModel):
+    include_usage: bool | None = None
+
+
+class ChatCompletionCreate(ApiModel):
+    """POST /v1/chat/completions. Optional fields may be null (meaning the default)."""
+
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[MessageCreate] = Field(min_length=1, max_length=4096)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    """auto (default): tools are offered; none: the prompt is rendered without them."""
+    parallel_tool_calls: bool | None = None
+    """Accepted for compatibility; the model may always emit several calls."""
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=16)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """Preferred over max_tokens when both are given."""
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)
+    """metadata["session_id"] names the session when no X-Session-Id header does."""
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4 or not all(0 < len(s) <= 256 for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings of at most 256 characters")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionCreate:
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise ValueError('tool_choice "required" and forcing a named function are not supported; '
+                             'use "auto" or "none"')
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        if self.frequency_penalty or self.presence_penalty:
+            raise ValueError("frequency_penalty and presence_penalty are not supported (only 0)")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+
+class TopLogprobPublic(ApiModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobPublic(TopLogprobPublic):
+    top_logprobs: list[TopLogprobPublic] = Field(default_factory=list)
+
+
+class ChoiceLogprobsPublic(ApiModel):
+    content: list[TokenLogprobPublic] | None = None
+
+
+class AssistantMessagePublic(ApiModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class ChoicePublic(ApiModel):
+    index: int
+    message: AssistantMessagePublic
+    logprobs: ChoiceLogprobsPublic | None = None
+    finish_reason: FinishReason
+
+
+class UsagePublic(ApiModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionPublic(ApiModel):
+    """`id` is the completion id under which the gateway recorded it; feedback names it."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    """"rtrl-v{model_version}": the policy version that served the request."""
+    choices: list[ChoicePublic]
+    usage: UsagePublic
+
+
+class FunctionDeltaPublic(ApiModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaPublic(ApiModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDeltaPublic
+
+
+class DeltaPublic(ApiModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDeltaPublic] | None = None
+
+
+class ChunkChoicePublic(ApiModel):
+    index: int
+    delta: DeltaPublic
+    logprobs: ChoiceLogprobsPublic | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunkPublic(ApiModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoicePublic]
+    usage: UsagePublic | None = None
+
+
+class ModelPublic(ApiModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "realtime-rl"
+
+
+class ModelListPublic(ApiModel):
+    object: Literal["list"] = "list"
+    data: list[ModelPublic]
+
+
+class HealthPublic(ApiModel):
+    status: Literal["ok", "unavailable"]
+    model: str
+    model_version: int
+    engine_waiting: int
+    engine_running: int

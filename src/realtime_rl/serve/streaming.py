@@ -1,0 +1,133 @@
+"""Server-sent events in the OpenAI chunk format: `data: {chunk}` lines, then `data: [DONE]`.
+
+The engine request is submitted before the response starts, so overload (503) and refused prompts
+(400) are still plain HTTP errors. Then: a role chunk per choice, content deltas as tokens arrive, and
+at the end, once the completion is recorded, the remaining content (or the tool calls), a finish
+chunk per choice, a usage chunk when `stream_options.include_usage`, and `[DONE]`. A stream that ends
+without `[DONE]` carries an error event instead and was not acknowledged.
+
+Deltas never need retracting: text that may still turn into a stop string, a `<tool_call>` block (when
+tools are offered) or an incomplete UTF-8 character is held back until it is decided. A client that
+goes away mid-stream aborts the engine request; such a completion is not recorded (it was never
+acknowledged, and its logprobs were never computed into an output).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from realtime_rl.engine import RequestOutput, TokenEvent
+from realtime_rl.model import Tokenizer
+from realtime_rl.model.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from realtime_rl.serve.completions import (
+    Prepared, RequestInfo, build_choice, build_record, engine_errors, record_completion, usage,
+)
+from realtime_rl.serve.deps import ServeState
+from realtime_rl.serve.errors import ApiError
+from realtime_rl.serve.schemas import (
+    ChatCompletionChunkPublic, ChunkChoicePublic, DeltaPublic, FunctionDeltaPublic,
+    ToolCallDeltaPublic, UsagePublic,
+)
+
+
+class TextStreamer:
+    """The decided prefix of one choice's text, fed token by token."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], hold_tool_calls: bool) -> None:
+        self.tokenizer = tokenizer
+        self.markers = stops + ([TOOL_CALL_OPEN, TOOL_CALL_CLOSE] if hold_tool_calls else [])
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        self.token_ids.append(token)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = len(text)
+        for marker in self.markers:
+            at = text.find(marker)
+            cut = min(cut, at if at != -1 else cut)
+            for k in range(min(len(marker) - 1, len(text)), 0, -1):  # a suffix that may grow into the marker
+                if text.endswith(marker[:k]):
+                    cut = min(cut, len(text) - k)
+                    break
+        while cut > 0 and text[cut - 1] == "\ufffd":  # an incomplete UTF-8 character
+            cut -= 1
+        return self._advance(text[:cut])
+
+    def finish(self, final_text: str) -> str:
+        return self._advance(final_text)
+
+    def _advance(self, decided: str) -> str:
+        if len(decided) <= len(self.sent) or not decided.startswith(self.sent):
+            return ""
+        delta, self.sent = decided[len(self.sent):], decided
+        return delta
+
+
+def _sse(chunk: ChatCompletionChunkPublic | dict) -> str:
+    data = chunk.model_dump_json(exclude_none=True) if isinstance(chunk, ChatCompletionChunkPublic) else json.dumps(chunk)
+    return f"data: {data}\n\n"
+
+
+async def stream_response(state: ServeState, prepared: Prepared, info: RequestInfo) -> StreamingResponse:
+    events = state.engine.stream(prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s)
+    with engine_errors(state.engine.error):
+        first = await anext(events)  # submits the request: overload and refusals are still HTTP errors
+    return StreamingResponse(_body(state, prepared, info, first, events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _body(state: ServeState, prepared: Prepared, info: RequestInfo, first: TokenEvent,
+                events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
+    n = prepared.params.n
+    version = state.engine.version
+    created = int(info.created_at)
+
+    def chunk(choices: list[ChunkChoicePublic], usage_: UsagePublic | None = None) -> str:
+        return _sse(ChatCompletionChunkPublic(id=info.completion_id, created=created, model=info.model_name,
+                                              system_fingerprint=f"rtrl-v{version}", choices=choices, usage=usage_))
+
+    streamers = [TextStreamer(state.tokenizer, prepared.params.stop, prepared.tools is not None) for _ in range(n)]
+    try:
+        yield chunk([ChunkChoicePublic(index=i, delta=DeltaPublic(role="assistant", content=""))
+                     for i in range(n)])
+        event = first
+        while event.output is None:
+            delta = streamers[event.index].push(event.token)
+            if delta:
+                yield chunk([ChunkChoicePublic(index=event.index, delta=DeltaPublic(content=delta))])
+            event = await anext(events)
+        async for line in _finish(state, prepared, info, event.output, streamers, chunk):
+            yield line
+    except (ApiError, TimeoutError) as e:
+        err = e if isinstance(e, ApiError) else ApiError(504, f"{e}; ask for fewer tokens or retry", code="timeout")
+        yield _sse(err.body().model_dump())
+    finally:
+        await events.aclose()  # aborts the engine request if it is still running (the client went away)
+
+
+async def _finish(state: ServeState, prepared: Prepared, info: RequestInfo, output: RequestOutput,
+                  streamers: list[TextStreamer], chunk) -> AsyncIterator[str]:
+    built = [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples]
+    record = build_record(output, prepared, [r for _, r in built], info, stream=True)
+    await record_completion(state.store, state.metrics, record)  # acknowledged only after this
+    for (public, _), streamer, sample in zip(built, streamers, output.samples):
+        if public.finish_reason == "tool_calls":
+            calls = [ToolCallDeltaPublic(index=j, id=c.id, type="function",
+                                         function=FunctionDeltaPublic(name=c.function.name,
+                                                                      arguments=c.function.arguments))
+                     for j, c in enumerate(public.message.tool_calls or [])]
+            yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(tool_calls=calls))])
+        else:
+            rest = streamer.finish(sample.text or "")
+            if rest:
+                yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(content=rest))])
+        yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(), logprobs=public.logprobs,
+                                       finish_reason=public.finish_reason)])
+    options = prepared.body.stream_options
+    if options is not None and options.include_usage:
+        yield chunk([], usage(record))
+    yield "data: [DONE]\n\n"
