@@ -1,7 +1,7 @@
 """The `rtrl` command. One entry point; each subcommand reads its config (`--config FILE.toml`,
 `--set key=value`), shows progress, and exits non-zero with a one-line reason on bad input.
 
-Subcommands appear here as their stage lands: `demo`, `eval`, `serve` and `bench` today; `pretrain`,
+Subcommands appear here as their stage lands: `demo`, `pretrain`, `eval`, `serve` and `bench` today;
 `train`, `loop`, `registry` and `simulate-users` arrive with the issues that build them.
 """
 
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from realtime_rl.config import DemoConfig, EvalConfig, ServeConfig, load_config
+from realtime_rl.config import DemoConfig, EvalConfig, PretrainConfig, ServeConfig, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--workers", type=int, help="concurrent tasks")
     ev.add_argument("--limit", type=int, help="only the first N tasks")
     ev.add_argument("--json", type=Path, help="write the report here")
+
+    pre = sub.add_parser("pretrain", help="continued pre-training of the base model on generated agent episodes")
+    _add_config_args(pre)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible gateway in front of the engine")
     _add_config_args(serve)
@@ -79,6 +82,12 @@ def _run(args: argparse.Namespace) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(summary, indent=2))
+        return 0
+    if args.command == "pretrain":
+        from realtime_rl.train import pretrain
+
+        result = pretrain(load_config(PretrainConfig, args.config, args.overrides))
+        print(json.dumps(result, indent=2))
         return 0
     if args.command == "serve":
         from realtime_rl.serve import run_server

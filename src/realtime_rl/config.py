@@ -268,6 +268,51 @@ class ServeConfig(StrictModel):
         return self
 
 
+class PretrainConfig(StrictModel):
+    """`rtrl pretrain`: continued pre-training of the default base model on generated agent episodes."""
+
+    run_dir: Path = Path("runs/pretrain")
+    """Checkpoints (HF directories with trainer state), the corpus cache and metrics.jsonl."""
+    seed: int = 0
+    """Seed for tasks, corpus mix, init and batching."""
+    model: ModelConfig = Field(
+        default_factory=lambda: ModelConfig(num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    )
+    """Architecture; vocab_size is set from the tokenizer."""
+    tokenizer: TokenizerTrainConfig = Field(default_factory=lambda: TokenizerTrainConfig(vocab_size=4096))
+    """Tokenizer training (on rendered episodes of the corpus tasks)."""
+    num_tasks: int = Field(4000, ge=1, le=10_000_000)
+    """Synthetic train tasks, one episode each."""
+    max_difficulty: int = Field(2, ge=1, le=4)
+    """Tasks cycle through difficulties 1..max_difficulty."""
+    expert_fraction: float = Field(0.6, ge=0.0, le=1.0)
+    """Share of episodes that write the reference solution; the rest write a novice variant."""
+    fix_rate: float = Field(0.5, ge=0.0, le=1.0)
+    """Share of novice episodes that fix the bug after a failing test run."""
+    steps: int = Field(1500, ge=1, le=10_000_000)
+    """Optimizer steps."""
+    batch_size: int = Field(8, ge=1, le=4096)
+    """Sequences per step."""
+    lr: float = Field(3e-3, gt=0, le=1.0)
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Cosine decay floor, as a fraction of lr."""
+    warmup_steps: int = Field(50, ge=0)
+    """Linear warmup steps."""
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """AdamW weight decay (matrices only)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    checkpoint_every: int = Field(250, ge=1)
+    """Steps between checkpoints (the last step always checkpoints)."""
+    log_every: int = Field(10, ge=1)
+    """Steps between metric lines."""
+    resume: bool = True
+    """Continue from the newest checkpoint in run_dir when there is one."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """torch threads (None: torch's default)."""
+
+
 class DemoConfig(StrictModel):
     """`rtrl demo`: the most complete end-to-end job the code can run today."""
 
@@ -294,6 +339,7 @@ RECIPE_ROOTS: dict[str, type[BaseModel]] = {
     "sandbox": SandboxConfig,
     "eval": EvalConfig,
     "serve": ServeConfig,
+    "pretrain": PretrainConfig,
 }
 
 
