@@ -12,7 +12,7 @@ DEBS   := bubblewrap python3-pytest
 
 .PHONY: demo test test-all system-deps clean
 
-demo: $(VENV)/.runtime
+demo: $(VENV)/.runtime system-deps
 	$(VENV)/bin/rtrl demo
 
 test: $(VENV)/.dev system-deps

@@ -1,14 +1,18 @@
-"""`rtrl demo`: the most complete end-to-end job the code can run today, on embedded defaults.
+"""`rtrl demo`: the most complete end-to-end job the code can run today, on a laptop-sized budget.
 
-Today (foundation only) it: generates a code + agent-transcript corpus, trains the byte-level BPE
-tokenizer on it, builds a tiny Qwen3-MoE model, saves it as a Hugging Face checkpoint and loads it
-back bit-exactly, renders a tool-using chat, decodes with the KV cache while capturing MoE routing,
-recomputes the same tokens with a full-sequence forward under router replay (what the trainer will
-do) and reports the logprob mismatch with and without replay, and parses the generated text with the
-tool-call parser. It says plainly what it did not run: the weights are untrained, so the text is noise.
+What it runs, in order, and says so:
+1. generates synthetic coding tasks (train split for the corpus, held-out split to attempt);
+2. continued pre-training, smoke-sized: a tokenizer and a corpus of real scripted agent episodes run
+   through the sandbox, then masked next-token training of a tiny Qwen3-MoE, checkpointed in the
+   Hugging Face layout;
+3. serves that checkpoint with the continuous-batching engine, hot-swaps its weights once (as the
+   trainer will), and lets it attempt the held-out tasks through the multi-turn agent loop, its
+   `run_tests` calls in the warm sandbox pool, graded with pristine tests in fresh sandboxes;
+4. replays one episode through the trainer's full-sequence forward with the engine's recorded MoE
+   routing and reports the logprob mismatch (what RL with router replay relies on).
 
-It grows with each stage: the engine, the environment, training and the real-time loop replace the
-pieces above as they land.
+A few minutes of CPU do not make a coding agent: pass@1 here is expected to be 0. The real base model
+comes from `rtrl pretrain`; RL, weight-sync deltas and the real-time loop are issues 5-7.
 """
 
 from __future__ import annotations
@@ -17,111 +21,103 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from realtime_rl.config import DemoConfig
-from realtime_rl.model import (
-    Qwen3ForCausalLM, Tokenizer, generate, generate_corpus, load_checkpoint, parse_assistant, render_messages,
-    save_checkpoint,
-)
+from realtime_rl.config import AgentConfig, DemoConfig, PretrainConfig, SandboxConfig
+from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
+from realtime_rl.environments import Sandbox, WarmPool, generate_tasks, grade, load_tasks, run_episode
+from realtime_rl.model import load_checkpoint
 from realtime_rl.monitor import JsonlSink
+from realtime_rl.train import pretrain
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file of the workspace.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "run_tests", "description": "Run the visible tests.",
-        "parameters": {"type": "object", "properties": {}}}},
-]
+
+def _replay_mismatch(model: torch.nn.Module, segment: Any) -> float | None:
+    """Max |trainer logprob - behaviour logprob| over the policy's tokens, replaying recorded routing."""
+    if segment.routing is None or segment.loss_mask[1:].sum() == 0:
+        return None
+    ids = torch.tensor(segment.token_ids[None, :-1], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(ids, replay_routing=torch.from_numpy(segment.routing[None, :-1])).logits_BTV[0]
+    lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(segment.token_ids[1:, None], dtype=torch.long))[:, 0]
+    mask = segment.loss_mask[1:]
+    return float(np.abs(lp.numpy()[mask] - segment.logprobs[1:][mask]).max())
 
 
 def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(config.seed)
     report: dict[str, Any] = {}
-    sink = JsonlSink(run_dir / "metrics.jsonl")
-
-    with console.status("training the byte-level BPE tokenizer on a generated corpus"):
-        t0 = time.perf_counter()
-        corpus = generate_corpus(config.tokenizer.corpus_documents, seed=config.tokenizer.seed)
-        tokenizer = Tokenizer.train(corpus, vocab_size=config.tokenizer.vocab_size)
-        report["tokenizer/vocab_size"] = tokenizer.vocab_size
-        report["tokenizer/train_s"] = time.perf_counter() - t0
-
-    vocab = -(-tokenizer.vocab_size // 64) * 64  # padded to a multiple of 64, as Qwen3 pads its vocabulary
-    model_config = config.model.model_copy(update={"vocab_size": vocab})
-    model = Qwen3ForCausalLM(model_config)
-    model.reset_parameters(seed=config.seed)
-    model.eval()
-    report["model/parameters"] = model.num_parameters()
-    report["model/moe_layers"] = len(model_config.moe_layers)
-
-    ckpt_dir = save_checkpoint(run_dir / "checkpoint", model, tokenizer)
-    loaded = load_checkpoint(ckpt_dir)
-    probe = torch.randint(0, tokenizer.vocab_size, (1, 16))
-    with torch.no_grad():
-        roundtrip = (loaded.model(probe).logits_BTV - model(probe).logits_BTV).abs().max().item()
-    report["checkpoint/roundtrip_max_abs_diff"] = roundtrip
-    assert loaded.tokenizer is not None
-    model, tokenizer = loaded.model, loaded.tokenizer
-
-    messages = [
-        {"role": "system", "content": "You are a careful coding agent."},
-        {"role": "user", "content": "The tests in test_solution.py fail. Read solution.py and fix it."},
-    ]
-    prompt = tokenizer.encode(render_messages(messages, TOOLS, add_generation_prompt=True))
     t0 = time.perf_counter()
-    gen = generate(model, prompt, config.max_new_tokens, tokenizer.stop_token_ids, temperature=0.0)
-    tokens, logprobs, routing = gen.token_ids, gen.raw_logprobs, gen.routing_TLK
-    report["decode/tokens"] = len(tokens)
-    report["decode/tokens_per_s"] = len(tokens) / (time.perf_counter() - t0)
 
-    # The trainer's view: one full-sequence forward over prompt + completion, with and without replay.
-    seq = torch.tensor([prompt + tokens])
-    n = len(tokens)
-    with torch.no_grad():
-        full = model(seq[:, :-1], capture_routing=True)
-        replay = None
-        if routing is not None:
-            replay = model(seq[:, :-1], replay_routing=routing[: seq.shape[1] - 1][None])
-    target = seq[0, -n:]
+    console.rule("1. synthetic tasks")
+    heldout_dir = run_dir / "tasks-heldout"
+    if not heldout_dir.exists():
+        for d in (1, 2):
+            generate_tasks(heldout_dir, -(-config.eval_tasks // 2), split="heldout", seed=config.seed, difficulty=d)
+    tasks = load_tasks(heldout_dir)[: config.eval_tasks]
+    report["tasks/heldout"] = len(tasks)
 
-    def completion_logprobs(logits_BTV: torch.Tensor) -> torch.Tensor:
-        lp = torch.log_softmax(logits_BTV[0, -n:].float(), dim=-1)
-        return lp.gather(1, target[:, None])[:, 0]
+    console.rule("2. continued pre-training (smoke-sized)")
+    pre = PretrainConfig(run_dir=run_dir / "pretrain", seed=config.seed, model=config.model,
+                         tokenizer=config.tokenizer, num_tasks=config.train_tasks, steps=config.pretrain_steps,
+                         batch_size=8, warmup_steps=min(10, config.pretrain_steps // 5), lr=5e-3,
+                         checkpoint_every=config.pretrain_steps, log_every=max(1, config.pretrain_steps // 6))
+    result = pretrain(pre)
+    report.update({"pretrain/documents": result["documents"], "pretrain/loss": result.get("pretrain/loss", 0.0),
+                   "pretrain/tokens_per_s": result.get("pretrain/tokens_per_s", 0.0)})
+    ckpt = load_checkpoint(result["checkpoint"])
+    assert ckpt.tokenizer is not None
+    report["model/parameters"] = ckpt.model.num_parameters()
 
-    engine_lp = torch.tensor(logprobs)
-    report["mismatch/max_abs_logprob_diff_no_replay"] = (completion_logprobs(full.logits_BTV) - engine_lp).abs().max().item()
-    if replay is not None and full.routing_BTLK is not None:
-        report["mismatch/max_abs_logprob_diff_replay"] = (completion_logprobs(replay.logits_BTV) - engine_lp).abs().max().item()
-        agree = (full.routing_BTLK[0] == routing[: seq.shape[1] - 1]).all(dim=-1).float().mean().item()
-        report["mismatch/routing_agreement_full_vs_cached"] = agree
+    console.rule("3. serve it, hot-swap once, attempt held-out tasks through the agent loop")
+    engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=4, max_seq_len=4096, seed=config.seed)
+    agent = AgentConfig(max_turns=config.max_turns, max_new_tokens=config.max_new_tokens,
+                        summary_trigger_tokens=3000, max_context_tokens=4096)
+    sandbox = Sandbox(SandboxConfig())
+    episodes = []
+    with AsyncEngine(engine) as aengine, WarmPool(SandboxConfig(pool_size=1)) as pool:
+        aengine.update_weights({k: v.clone() for k, v in ckpt.model.named_parameters()}, version=1)
+        for i, task in enumerate(tasks):
+            policy = EnginePolicy(aengine, temperature=1.0, seed=config.seed + i)
+            ep = run_episode(policy, ckpt.tokenizer, task, pool, agent)
+            ep.episode.passed = grade(task, ep.workspace.snapshot(), sandbox).passed
+            episodes.append(ep.episode)
+    report["serve/swap_pause_ms"] = engine.last_swap_pause_ms or 0.0
+    report["agent/pass_at_1"] = sum(bool(e.passed) for e in episodes) / len(episodes)
+    report["agent/mean_turns"] = sum(e.num_turns for e in episodes) / len(episodes)
+    report["agent/tool_calls"] = sum(e.num_tool_calls for e in episodes)
+    report["agent/malformed_tool_calls"] = sum(e.malformed_tool_calls for e in episodes)
+    report["agent/tokens"] = sum(e.num_tokens for e in episodes)
+    report["sandbox/isolation"] = sandbox.isolation_level.value
 
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    parsed = parse_assistant(text, TOOLS)
-    report["chat/tool_calls"] = len(parsed.tool_calls)
-    report["chat/malformed_tool_calls"] = len(parsed.errors)
+    console.rule("4. the trainer's view of an episode, with router replay")
+    versions = {int(v) for e in episodes for s in e.segments for v in s.versions[s.loss_mask]}
+    report["rl/token_versions"] = ",".join(map(str, sorted(versions)))
+    mismatch = _replay_mismatch(ckpt.model, episodes[0].segments[0])
+    if mismatch is not None:
+        report["rl/max_abs_logprob_diff_replay"] = mismatch
+    report["demo/minutes"] = (time.perf_counter() - t0) / 60
+
+    sink = JsonlSink(run_dir / "metrics.jsonl")
     sink.log({k: v for k, v in report.items() if isinstance(v, (int, float))}, step=0)
     sink.close()
-
-    table = Table(title="rtrl demo: what ran", show_lines=False)
+    table = Table(title="rtrl demo: what ran")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
-    console.print(f"checkpoint: {ckpt_dir}  (Hugging Face layout; transformers can load it)")
-    console.print(f"generated (untrained weights, so noise): {text[:160]!r}")
-    console.print(
-        "Ran: tokenizer training, MoE model build, checkpoint save/load, KV-cache decode with routing capture,"
-        " full-sequence recompute with router replay, tool-call parsing.\n"
-        "Not yet: engine, sandboxed environment, pre-training, RL, gateway, weight sync, real-time loop"
-        " (issues 3-7)."
-    )
-    report["checkpoint_dir"] = str(ckpt_dir)
+    console.print(f"checkpoint: {result['checkpoint']} (Hugging Face layout)")
+    console.print("Ran: synthetic tasks; a tokenizer and a corpus of real sandboxed episodes; pre-training with "
+                  "checkpoints; the engine (continuous batching, a hot weight swap, per-token versions and routing); "
+                  "the multi-turn agent loop with tools; grading with pristine tests in fresh bubblewrap sandboxes; "
+                  "router replay.")
+    console.print("A smoke-sized model does not solve tasks (pass@1 ~ 0); `rtrl pretrain` builds the real base "
+                  "model. Not yet: RL training, the async pipeline, weight-sync deltas, the real-time loop "
+                  "(issues 5-7).")
+    report["checkpoint_dir"] = result["checkpoint"]
     return report
