@@ -29,21 +29,18 @@ from rich.table import Table
 from realtime_rl.config import AgentConfig, DemoConfig, PretrainConfig, SandboxConfig
 from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
 from realtime_rl.environments import Sandbox, WarmPool, generate_tasks, grade, load_tasks, run_episode
-from realtime_rl.model import load_checkpoint
+from realtime_rl.model import load_checkpoint, sequence_logprobs
 from realtime_rl.monitor import JsonlSink
 from realtime_rl.train import pretrain
 
 
 def _replay_mismatch(model: torch.nn.Module, segment: Any) -> float | None:
     """Max |trainer logprob - behaviour logprob| over the policy's tokens, replaying recorded routing."""
-    if segment.routing is None or segment.loss_mask[1:].sum() == 0:
-        return None
-    ids = torch.tensor(segment.token_ids[None, :-1], dtype=torch.long)
-    with torch.no_grad():
-        logits = model(ids, replay_routing=torch.from_numpy(segment.routing[None, :-1])).logits_BTV[0]
-    lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(segment.token_ids[1:, None], dtype=torch.long))[:, 0]
     mask = segment.loss_mask[1:]
-    return float(np.abs(lp.numpy()[mask] - segment.logprobs[1:][mask]).max())
+    if segment.routing is None or mask.sum() == 0:
+        return None
+    lp, _ = sequence_logprobs(model, torch.from_numpy(segment.token_ids), torch.from_numpy(segment.routing))
+    return float(np.abs(lp.cpu().numpy()[mask] - segment.logprobs[1:][mask]).max())
 
 
 def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from realtime_rl.environments.agent_loop import (
 from realtime_rl.environments.tools import TOOL_SCHEMAS
 from realtime_rl.environments.grading import grade
 from realtime_rl.environments.policies import ModelPolicy, ScriptedPolicy
-from realtime_rl.model import Qwen3ForCausalLM, render_messages
+from realtime_rl.model import Qwen3ForCausalLM, render_messages, sequence_logprobs
 from tests.conftest import EXERCISM, tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -158,10 +158,7 @@ def test_real_tiny_moe_model_through_the_loop_with_replayable_routing(tokenizer,
     seg = ep.segments[0]
     assert seg.routing is not None and seg.routing.shape == (len(seg.token_ids), 3, 2)
     # The trainer's full-sequence forward, replaying inference's routing, reproduces the behaviour logprobs.
-    ids = torch.tensor(seg.token_ids[None, :-1], dtype=torch.long)
-    with torch.no_grad():
-        logits = model(ids, replay_routing=torch.from_numpy(seg.routing[None, :-1])).logits_BTV[0]
-    lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(seg.token_ids[1:, None], dtype=torch.long))[:, 0]
+    lp, _ = sequence_logprobs(model, torch.from_numpy(seg.token_ids), torch.from_numpy(seg.routing))
     mask = seg.loss_mask[1:]
     assert mask.sum() > 0
     np.testing.assert_allclose(lp.numpy()[mask], seg.logprobs[1:][mask], atol=1e-4)

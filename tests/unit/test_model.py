@@ -77,7 +77,7 @@ def test_topk_order_is_recorded_in_rank_order(tiny_moe):
         x = tiny_moe.model.embed_tokens(ids)
         layer0 = tiny_moe.model.layers[0]
         cos_sin = tiny_moe.model.rotary_emb(torch.arange(ids.shape[1]).expand_as(ids), x.dtype)
-        h = x + layer0.self_attn(layer0.input_layernorm(x), cos_sin, torch.arange(ids.shape[1]).expand_as(ids), None, None)
+        h = x + layer0.self_attn(layer0.input_layernorm(x), cos_sin, None)
         probs = torch.softmax(layer0.mlp.gate.weight @ layer0.post_attention_layernorm(h).transpose(1, 2), dim=1)
     top = probs.transpose(1, 2).topk(2, dim=-1).indices
     assert torch.equal(routing[:, :, 0].long(), top)

@@ -22,19 +22,15 @@ import torch
 
 from realtime_rl.config import ModelConfig
 from realtime_rl.engine import Engine, SamplingParams
-from realtime_rl.model import Qwen3ForCausalLM
+from realtime_rl.model import Qwen3ForCausalLM, sequence_logprobs
 
 
-def _trainer_view(model: Qwen3ForCausalLM, prompt: list[int], tokens: list[int], routing: np.ndarray | None,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _trainer_view(model: Qwen3ForCausalLM, prompt: list[int], tokens: list[int], routing: np.ndarray | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of `tokens` from one full-sequence forward, and the routing that forward used."""
-    seq = torch.tensor([prompt + tokens], device=device)
-    replay = None if routing is None else torch.from_numpy(routing).to(device)[None]
-    with torch.no_grad():
-        out = model(seq[:, :-1], capture_routing=True, replay_routing=replay)
-    lp = torch.log_softmax(out.logits_BTV[0, len(prompt) - 1:].float(), -1)
-    target = torch.tensor(tokens, device=device)[:, None]
-    return lp.gather(1, target)[:, 0].cpu(), (None if out.routing_BTLK is None else out.routing_BTLK[0].cpu())
+    replay = None if routing is None else torch.from_numpy(routing)
+    lp, used = sequence_logprobs(model, torch.tensor(prompt + tokens), replay)
+    return lp[len(prompt) - 1:].cpu(), None if used is None else used.cpu()
 
 
 def _disagreement(used: torch.Tensor, engine: np.ndarray, prompt_len: int) -> float:
@@ -67,7 +63,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         s = out.samples[0]
         engine_lp = torch.tensor(s.logprobs)
         for mode, routing in (("replay", s.routing), ("no_replay", None)):
-            lp, used = _trainer_view(model, prompt, s.token_ids, routing, device)
+            lp, used = _trainer_view(model, prompt, s.token_ids, routing)
             ratios[mode].append(lp - engine_lp)
             disagree[mode].append(_disagreement(used, s.routing, len(prompt)))
     metrics: dict[str, Any] = {"tokens": sum(len(o.samples[0].token_ids) for o in outs),

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from realtime_rl.engine.sampling import SamplingParams, sample_rows, sampling_logprobs
+from realtime_rl.engine.sampling import SamplingParams
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
+from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 
 @dataclass

@@ -171,8 +171,7 @@ def run_episode(
         malformed += len(parsed.errors)
         results += [(e.index, f"error: {e.message}") for e in parsed.errors]
         ended = False
-        calls = sorted(parsed.tool_calls, key=lambda c: int(c.id.removeprefix("call_")))
-        for call in calls:
+        for call in parsed.tool_calls:  # in the order written; the id carries the block's index
             tool_calls += 1
             outcome = tools.call(call.function.name, call.function.arguments)
             tool_errors += outcome.error

@@ -16,6 +16,7 @@ import torch
 
 from realtime_rl.model.kv_cache import KVCache
 from realtime_rl.model.qwen3 import Qwen3ForCausalLM
+from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 
 @dataclass
@@ -38,20 +39,10 @@ def sample_token(logits_V: torch.Tensor, temperature: float, top_p: float, gen: 
 
     Returns (token, logprob under the sampling distribution, logprob under the untempered distribution).
     """
-    logits_V = logits_V.float()
-    raw = torch.log_softmax(logits_V, dim=-1)
-    if temperature == 0:
-        token = int(raw.argmax())
-        return token, 0.0, float(raw[token])
-    lp = torch.log_softmax(logits_V / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_lp, order = lp.sort(descending=True)
-        keep = sorted_lp.exp().cumsum(0) - sorted_lp.exp() < top_p
-        masked = torch.full_like(lp, float("-inf"))
-        masked[order[keep]] = lp[order[keep]]
-        lp = torch.log_softmax(masked, dim=-1)
-    token = int(torch.multinomial(lp.exp(), 1, generator=gen))
-    return token, float(lp[token]), float(raw[token])
+    lp_1V, raw_1V = sampling_logprobs(logits_V[None], torch.tensor([float(temperature)]), torch.tensor([0]),
+                                      torch.tensor([float(top_p)]))
+    token = sample_rows(lp_1V, [temperature == 0], [gen])[0]
+    return token, 0.0 if temperature == 0 else float(lp_1V[0, token]), float(raw_1V[0, token])
 
 
 @torch.no_grad()

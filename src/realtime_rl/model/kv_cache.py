@@ -2,7 +2,7 @@
 
 Slot `s` holds the keys and values of one sequence at positions 0..S-1. A forward writes its new
 keys/values at the given positions of the given slots and reads back each row's prefix up to the
-longest position in the batch; attention masks out keys past each query's own position, so rows of
+longest position in the batch (`begin` once per forward, then `CacheStep.update` per layer); attention masks out keys past each query's own position, so rows of
 different lengths share one batched decode step. Freeing a slot is free: the next sequence that gets
 it overwrites positions from 0 and never attends past its own position.
 
@@ -10,6 +10,8 @@ Not here: paging, prefix sharing between slots (the engine copies a prefix with 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,39 +35,49 @@ class KVCache:
         self.k_LSPHD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.v_LSPHD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
-    def update(
-        self,
-        layer_idx: int,
-        slots: torch.Tensor | slice,
-        positions_BT: torch.Tensor,
-        k_BHTD: torch.Tensor,
-        v_BHTD: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new keys/values, return each row's cached prefix as (k, v) of shape [B, H, S, D].
+    def begin(self, slots: torch.Tensor | slice, positions_BT: torch.Tensor) -> CacheStep:
+        """Start one forward over the cache: the prefix length, row indices and mask, once for all layers.
 
-        `slots` is a LongTensor [B] of slot ids, or a `slice` of consecutive slots in row order: then the
-        prefix is read as a view instead of gathered (the engine passes one when its batch is contiguous).
+        `slots` is a LongTensor [B] of slot ids, or a `slice` of consecutive slots in row order: then each
+        layer reads the prefix as a view instead of gathering it (the engine passes one when it can).
         """
         length = int(positions_BT.max()) + 1
         if length > self.max_seq_len:
             raise ValueError(f"position {length - 1} exceeds the KV cache length {self.max_seq_len}")
-        k_cache, v_cache = self.k_LSPHD[layer_idx], self.v_LSPHD[layer_idx]
         if isinstance(slots, slice):
-            k_cache, v_cache = k_cache[slots], v_cache[slots]
-            rows = torch.arange(k_cache.shape[0], device=positions_BT.device)[:, None].expand_as(positions_BT)
+            rows_BT = torch.arange(positions_BT.shape[0], device=positions_BT.device)[:, None].expand_as(positions_BT)
         else:
-            rows = slots[:, None].expand_as(positions_BT)
-        k_cache[rows, positions_BT] = k_BHTD.transpose(1, 2).to(k_cache.dtype)
-        v_cache[rows, positions_BT] = v_BHTD.transpose(1, 2).to(v_cache.dtype)
-        if isinstance(slots, slice):
-            return k_cache[:, :length].transpose(1, 2), v_cache[:, :length].transpose(1, 2)
-        return (
-            k_cache[slots, :length].transpose(1, 2),
-            v_cache[slots, :length].transpose(1, 2),
-        )
+            rows_BT = slots[:, None].expand_as(positions_BT)
+        key_pos_S = torch.arange(length, device=positions_BT.device)
+        mask_B1TS = key_pos_S[None, None, None, :] <= positions_BT[:, None, :, None]
+        return CacheStep(self, slots, positions_BT, rows_BT, length, mask_B1TS)
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy positions [0, length) of one slot into another (n samples sharing one prefill)."""
         for k_cache, v_cache in zip(self.k_LSPHD, self.v_LSPHD):
             k_cache[dst_slot, :length] = k_cache[src_slot, :length]
             v_cache[dst_slot, :length] = v_cache[src_slot, :length]
+
+
+@dataclass
+class CacheStep:
+    """One forward's view of the cache: every layer writes its new keys/values and reads the prefix."""
+
+    cache: KVCache
+    slots: torch.Tensor | slice
+    positions_BT: torch.Tensor
+    rows_BT: torch.Tensor
+    length: int
+    mask_B1TS: torch.Tensor
+    """Key position <= query position: what each query may attend to."""
+
+    def update(self, layer_idx: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys/values, return each row's cached prefix as (k, v) of shape [B, H, S, D]."""
+        k_cache, v_cache = self.cache.k_LSPHD[layer_idx], self.cache.v_LSPHD[layer_idx]
+        if isinstance(self.slots, slice):
+            k_cache, v_cache = k_cache[self.slots], v_cache[self.slots]
+        k_cache[self.rows_BT, self.positions_BT] = k_BHTD.transpose(1, 2).to(k_cache.dtype)
+        v_cache[self.rows_BT, self.positions_BT] = v_BHTD.transpose(1, 2).to(v_cache.dtype)
+        if isinstance(self.slots, slice):
+            return k_cache[:, : self.length].transpose(1, 2), v_cache[:, : self.length].transpose(1, 2)
+        return k_cache[self.slots, : self.length].transpose(1, 2), v_cache[self.slots, : self.length].transpose(1, 2)

@@ -4,8 +4,8 @@ Numerics follow transformers' Qwen3 exactly where it matters for parity: RMSNorm
 back, QK-norm per head before RoPE, rotate-half RoPE with cos/sin computed in fp32.
 
 Attention has two modes. Full-sequence (`kv_cache=None`): each batch row is one sequence, causal by
-index; this is what the trainer uses. Cached (`kv_cache` given): the new keys/values are written into
-the cache at `positions` of the rows' `cache_slots`, and each query attends to every cached key at a
+index; this is what the trainer uses. Cached (a `CacheStep` given): the new keys/values are written into
+the cache at `positions` of the rows' slots, and each query attends to every cached key at a
 position <= its own; this serves prefill, decode and ragged batches alike (the engine uses it).
 """
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from realtime_rl.config import ModelConfig
-from realtime_rl.model.kv_cache import KVCache
+from realtime_rl.model.kv_cache import CacheStep
 
 
 class RMSNorm(nn.Module):
@@ -81,9 +81,7 @@ class Attention(nn.Module):
         self,
         x_BTC: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        positions_BT: torch.Tensor,
-        kv_cache: KVCache | None,
-        cache_slots_B: torch.Tensor | slice | None,
+        cache_step: CacheStep | None,
     ) -> torch.Tensor:
         B, T, _ = x_BTC.shape
         q_BHTD = self.q_norm(self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -93,15 +91,12 @@ class Attention(nn.Module):
         q_BHTD = apply_rope(q_BHTD, cos, sin)
         k_BHTD = apply_rope(k_BHTD, cos, sin)
 
-        if kv_cache is None:
+        if cache_step is None:
             out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=True, enable_gqa=True)
         else:
-            assert cache_slots_B is not None, "cached attention needs cache_slots"
-            k_BHSD, v_BHSD = kv_cache.update(self.layer_idx, cache_slots_B, positions_BT, k_BHTD, v_BHTD)
-            key_pos_S = torch.arange(k_BHSD.shape[2], device=x_BTC.device)
-            mask_B1TS = (key_pos_S[None, None, None, :] <= positions_BT[:, None, :, None])
+            k_BHSD, v_BHSD = cache_step.update(self.layer_idx, k_BHTD, v_BHTD)
             out_BHTD = F.scaled_dot_product_attention(
-                q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS, enable_gqa=True
+                q_BHTD, k_BHSD, v_BHSD, attn_mask=cache_step.mask_B1TS, enable_gqa=True
             )
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 

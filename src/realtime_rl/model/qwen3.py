@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from realtime_rl.config import ModelConfig
-from realtime_rl.model.kv_cache import KVCache
+from realtime_rl.model.kv_cache import CacheStep, KVCache
 from realtime_rl.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from realtime_rl.model.moe import SparseMoeBlock
 
@@ -55,12 +55,10 @@ class DecoderLayer(nn.Module):
         self,
         x_BTC: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        positions_BT: torch.Tensor,
-        kv_cache: KVCache | None,
-        cache_slots_B: torch.Tensor | slice | None,
+        cache_step: CacheStep | None,
         replay_BTK: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x_BTC = x_BTC + self.self_attn(self.input_layernorm(x_BTC), cos_sin, positions_BT, kv_cache, cache_slots_B)
+        x_BTC = x_BTC + self.self_attn(self.input_layernorm(x_BTC), cos_sin, cache_step)
         h_BTC = self.post_attention_layernorm(x_BTC)
         if self.is_moe:
             y_BTC, experts_BTK = self.mlp(h_BTC, replay_BTK)
@@ -129,13 +127,17 @@ class Qwen3ForCausalLM(nn.Module):
             )
         x_BTC = self.model.embed_tokens(input_ids_BT)
         cos_sin = self.model.rotary_emb(positions_BT, x_BTC.dtype)
+        cache_step = None
+        if kv_cache is not None:
+            assert cache_slots is not None, "cached forward needs cache_slots"
+            cache_step = kv_cache.begin(cache_slots, positions_BT)
         captured: list[torch.Tensor] = []
         moe_i = 0
         for layer in self.model.layers:
             replay = None
             if layer.is_moe and replay_routing is not None:
                 replay = replay_routing[:, :, moe_i]
-            x_BTC, experts_BTK = layer(x_BTC, cos_sin, positions_BT, kv_cache, cache_slots, replay)
+            x_BTC, experts_BTK = layer(x_BTC, cos_sin, cache_step, replay)
             if experts_BTK is not None:
                 moe_i += 1
                 if capture_routing:
@@ -148,3 +150,24 @@ class Qwen3ForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model: Qwen3ForCausalLM, token_ids: torch.Tensor, replay_routing: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trainer's view of one sequence: one full-sequence forward over token_ids[:-1].
+
+    Returns (logprob of each of token_ids[1:] given its prefix, fp32 [T-1]; the routing that forward
+    used, [T-1, moe layers, k], or None for a dense model). `replay_routing` ([>= T-1, layers, k]) forces
+    the recorded routing of each input position.
+    """
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=model.lm_head.weight.device)
+    T = token_ids.shape[0]
+    replay = None
+    if replay_routing is not None:
+        replay = torch.as_tensor(replay_routing, device=token_ids.device)[None, : T - 1]
+    out = model(token_ids[None, :-1], capture_routing=True, replay_routing=replay)
+    lp_TV = torch.log_softmax(out.logits_BTV[0].float(), dim=-1)
+    logprobs = lp_TV.gather(1, token_ids[1:, None])[:, 0]
+    return logprobs, None if out.routing_BTLK is None else out.routing_BTLK[0]

@@ -1,0 +1,47 @@
+"""The batched logits -> sampling distribution step, shared by the engine and the reference decoder.
+
+Each row of a decode batch has its own temperature, top-k and top-p; they are applied to the whole
+batch at once. Sampling itself is per row with the row's own generator, so a seeded request gives
+the same tokens whatever else shares its batch.
+
+Two logprobs come back for every sampled token: under the distribution actually sampled from (after
+temperature, top-k, top-p; 0.0 for greedy, a point mass) and under the untempered model distribution
+(what a trainer at temperature 1 recomputes). Top alternatives come from the untempered distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_logprobs(
+    logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities to sample from, untempered log-probabilities), both [B, V] fp32."""
+    logits_BV = logits_BV.float()
+    raw_BV = torch.log_softmax(logits_BV, dim=-1)
+    scaled_BV = logits_BV / temperature_B.clamp_min(1e-6)[:, None]
+    if bool((top_k_B > 0).any()) or bool((top_p_B < 1).any()):
+        sorted_BV, order_BV = scaled_BV.sort(dim=-1, descending=True)
+        V = logits_BV.shape[-1]
+        rank_V = torch.arange(V, device=logits_BV.device)
+        k_B = torch.where(top_k_B > 0, top_k_B, V)
+        remove_BV = rank_V[None, :] >= k_B[:, None]
+        probs_BV = torch.softmax(sorted_BV.masked_fill(remove_BV, float("-inf")), dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        remove_BV |= (probs_BV.cumsum(-1) - probs_BV) >= top_p_B[:, None]
+        remove_BV[:, 0] = False  # the top-ranked token always stays, whatever rounding does to top_p
+        scaled_BV = scaled_BV.scatter(1, order_BV, sorted_BV.masked_fill(remove_BV, float("-inf")))
+    return torch.log_softmax(scaled_BV, dim=-1), raw_BV
+
+
+def sample_rows(logprobs_BV: torch.Tensor, greedy_B: list[bool], generators: list[torch.Generator | None]
+                ) -> list[int]:
+    """One token per row: argmax for greedy rows (one batched op), else a draw with the row's generator."""
+    tokens = logprobs_BV.argmax(dim=-1).tolist()
+    sampled = [b for b, greedy in enumerate(greedy_B) if not greedy]
+    if sampled:
+        probs_SV = logprobs_BV[sampled].exp()
+        for i, b in enumerate(sampled):
+            tokens[b] = int(torch.multinomial(probs_SV[i], 1, generator=generators[b]))
+    return tokens
