@@ -48,3 +48,13 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tokenizer) -> Path:
+    """A tiny MoE checkpoint directory with a chat tokenizer: the base model of RL pipeline tests."""
+    from realtime_rl.model import save_checkpoint
+
+    model = Qwen3ForCausalLM(tiny_config(moe=True, vocab_size=1024))
+    model.reset_parameters(seed=0)
+    return save_checkpoint(tmp_path_factory.mktemp("base") / "tiny", model, tokenizer)

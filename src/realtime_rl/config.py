@@ -313,6 +313,106 @@ class PretrainConfig(StrictModel):
     """torch threads (None: torch's default)."""
 
 
+class RLConfig(StrictModel):
+    """The RL trainer: optimizer, GRPO advantages, the decoupled PPO objective, router replay, checkpoints."""
+
+    lr: float = Field(2e-4, gt=0, le=1.0)
+    """AdamW learning rate (constant after warmup)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay (matrices only)."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """Episodes sampled per task (one GRPO group)."""
+    groups_per_step: int = Field(4, ge=1, le=100_000)
+    """Groups consumed by one optimizer step."""
+    leave_one_out: bool = False
+    """RLOO baseline (mean of the other episodes of the group) instead of the group mean."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward std (GRPO)."""
+    minibatches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per batch; with 1 (and ppo_epochs 1) the proximal policy is the current one."""
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Passes over each batch."""
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """PPO ratio lower clip (1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0.0, le=10.0)
+    """PPO ratio upper clip (1 + clip_high; higher than clip_low as in DAPO)."""
+    tis_cap: float = Field(2.0, ge=1.0)
+    """Truncated importance sampling: behaviour->proximal weights are capped here."""
+    icepop_low: float = Field(0.5, gt=0.0, le=1.0)
+    """IcePop: tokens whose behaviour->proximal ratio is below this are masked out."""
+    icepop_high: float = Field(2.0, ge=1.0)
+    """IcePop: tokens whose behaviour->proximal ratio is above this are masked out."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of k3 KL to the reference (initial) policy; 0 skips the reference forward."""
+    router_replay: bool = True
+    """R3: the trainer's forward uses the routing the engine recorded for each token (MoE models)."""
+    micro_batch_tokens: int = Field(8192, ge=64)
+    """Padded tokens per forward/backward micro-batch (gradients accumulate over micro-batches)."""
+    malformed_penalty: float = Field(0.0, ge=0.0, le=10.0)
+    """Subtracted from an episode's reward per malformed tool call."""
+
+
+class RolloutConfig(StrictModel):
+    """Rollout workers: engines driving agent episodes on synthetic tasks in sandboxes."""
+
+    backend: Literal["local", "ray"] = "local"
+    """local: worker processes on this machine; ray: Ray actors (weights and trajectories via the object store)."""
+    workers: int = Field(1, ge=1, le=4096)
+    """Rollout worker processes (or actors), each with its own engine and sandbox pool."""
+    episodes_in_flight: int = Field(16, ge=1, le=4096)
+    """Episodes each worker runs concurrently (they share the worker's engine batch)."""
+    threads_per_worker: int = Field(1, ge=1, le=256)
+    """torch threads in each worker."""
+    max_difficulty: int = Field(2, ge=1, le=4)
+    """Train tasks cycle through difficulties 1..max_difficulty."""
+    task_seed: int = 0
+    """Seed of the synthetic task generator (the pre-training recipe's seed)."""
+    first_task: int = Field(100_000, ge=0)
+    """Index of the first train task used for RL (past those pre-training saw; wraps at a difficulty's pool size)."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature of rollouts."""
+    tool_latency_s: float = Field(0.0, ge=0.0, le=600.0)
+    """Simulated extra latency of each tool turn (to study overlap), on top of the real sandbox runs."""
+    agent: AgentConfig = Field(default_factory=lambda: AgentConfig(max_turns=6, max_new_tokens=256,
+                                                                  summary_trigger_tokens=1536, max_context_tokens=2048))
+    """The agent loop's limits."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Limits of test runs and grading."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A worker that returns nothing for this long is an error (never a silent hang)."""
+
+
+class TrainConfig(StrictModel):
+    """`rtrl train`: asynchronous RL on sandboxed synthetic coding tasks, from a base checkpoint."""
+
+    run_dir: Path = Path("runs/train")
+    """Checkpoints, the trajectory log and metrics.jsonl; a rerun resumes from here."""
+    base_checkpoint: Path | None = None
+    """The model to start from (an HF directory); None builds (or reuses) the default base model."""
+    seed: int = 0
+    """Seed for sampling and task order."""
+    steps: int = Field(50, ge=1, le=10_000_000)
+    """Optimizer steps (policy versions) to train."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Stop after this many minutes even if steps remain."""
+    max_staleness: int = Field(2, ge=0, le=1000)
+    """Oldest token of a trajectory may be this many versions behind the trainer; 0 is synchronous on-policy."""
+    threads: int = Field(1, ge=1, le=1024)
+    """torch threads of the trainer."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """The trainer."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """The rollout workers."""
+    checkpoint_keep: int = Field(2, ge=1, le=1000)
+    """Checkpoints kept on disk (older ones are deleted after a newer one is durable)."""
+
+
 class DemoConfig(StrictModel):
     """`rtrl demo`: the most complete end-to-end job the code can run today, on a laptop-sized budget."""
 
@@ -348,6 +448,7 @@ RECIPE_ROOTS: dict[str, type[BaseModel]] = {
     "eval": EvalConfig,
     "serve": ServeConfig,
     "pretrain": PretrainConfig,
+    "train": TrainConfig,
 }
 
 

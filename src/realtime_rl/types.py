@@ -9,6 +9,9 @@ This module imports nothing of ours and no torch.
 
 from __future__ import annotations
 
+import io
+import json
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -130,6 +133,8 @@ class Episode:
     """Tool calls the parser rejected (bad JSON, unknown tool, missing arguments, ...)."""
     tool_errors: int
     """Well-formed calls that failed (file not found, edit text absent or ambiguous, ...)."""
+    group_id: str = ""
+    """Episodes sampled for the same task prompt share a group id (GRPO advantages are per group)."""
     passed: bool | None = None
     """Grading outcome (pristine tests in a fresh sandbox); None until graded."""
     reward: float | None = None
@@ -147,3 +152,38 @@ class Episode:
     def succeeded_after_summary(self) -> bool | None:
         """Whether an episode that summarized itself at least once went on to pass; None otherwise."""
         return None if not self.summary_lengths or self.passed is None else self.passed
+
+
+_EPISODE_FIELDS = ("episode_id", "task_id", "ended_by", "num_turns", "num_tool_calls", "malformed_tool_calls",
+                   "tool_errors", "group_id", "passed", "reward", "summary_lengths", "question", "metadata")
+_SEGMENT_ARRAYS = ("token_ids", "loss_mask", "logprobs", "versions", "routing")
+
+
+def episode_to_bytes(episode: Episode) -> bytes:
+    """An episode as one .npz blob: a JSON header (scalar fields, metadata) and the segments' arrays.
+
+    No pickle: the bytes can come from another process or machine and are read with allow_pickle=False.
+    """
+    header = {name: getattr(episode, name) for name in _EPISODE_FIELDS}
+    header["num_segments"] = len(episode.segments)
+    arrays: dict[str, np.ndarray] = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
+    for i, seg in enumerate(episode.segments):
+        for name in _SEGMENT_ARRAYS:
+            value = getattr(seg, name)
+            if value is not None:
+                arrays[f"{i}/{name}"] = value
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def episode_from_bytes(data: bytes) -> Episode:
+    """Inverse of episode_to_bytes; raises ValueError on bytes that are not an episode."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            header = json.loads(npz["header"].tobytes())
+            segments = [Segment(**{name: npz[f"{i}/{name}"] if f"{i}/{name}" in npz.files else None
+                                   for name in _SEGMENT_ARRAYS}) for i in range(header.pop("num_segments"))]
+    except (OSError, KeyError, TypeError, ValueError, zipfile.BadZipFile, AssertionError) as e:
+        raise ValueError(f"not a serialized episode: {e}") from None
+    return Episode(segments=segments, **header)

@@ -1,5 +1,20 @@
-"""Training: continued pre-training of the base model (pretrain.py, corpus.py); RL lands next."""
+"""Training: continued pre-training of the base model (pretrain.py, corpus.py) and the RL trainer
+(rl.py, with the objective in losses.py).
 
-from realtime_rl.train.pretrain import latest_checkpoint, pretrain, prepare_corpus
+Public API:
+    pretrain(PretrainConfig()) -> summary;  ensure_base_model(PretrainConfig()) -> checkpoint dir
+    RLTrainer.open(run_dir, base_checkpoint, RLConfig()); trainer.step(episodes); trainer.save()
+"""
 
-__all__ = ["latest_checkpoint", "prepare_corpus", "pretrain"]
+from realtime_rl.train.losses import LossConfig, group_advantages, k3, policy_loss
+from realtime_rl.train.pretrain import latest_checkpoint, prepare_corpus, pretrain
+from realtime_rl.train.rl import RLTrainer, episode_reward, staleness
+
+try:  # lands with the base-model recipe
+    from realtime_rl.train.pretrain import ensure_base_model
+except ImportError:  # pragma: no cover
+    def ensure_base_model(config):  # type: ignore[no-redef]
+        raise ValueError("no default base model recipe yet: pass base_checkpoint")
+
+__all__ = ["LossConfig", "RLTrainer", "ensure_base_model", "episode_reward", "group_advantages", "k3",
+           "latest_checkpoint", "policy_loss", "prepare_corpus", "pretrain", "staleness"]

@@ -1,0 +1,71 @@
+"""The rollout backend seam: where worker engines run (local processes, Ray actors).
+
+The orchestrator owns the policy loop; a backend only starts workers, hands them group jobs and new
+weights, and returns finished groups. Every wait has a timeout, and a dead worker is an error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from realtime_rl.config import RolloutConfig
+from realtime_rl.rollout.worker import GroupJob
+from realtime_rl.types import Episode
+
+
+def groups_per_worker(config: RolloutConfig, group_size: int) -> int:
+    """Groups one worker runs at once: as many as its episodes in flight hold (at least one)."""
+    return max(1, config.episodes_in_flight // group_size)
+
+
+class RolloutBackend(ABC):
+    def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0) -> None:
+        self.config = config
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.group_size = group_size
+        self.seed = seed
+        self._load = [0] * config.workers  # groups in flight per worker
+        self._tokens = [0] * config.workers  # tokens each worker reported so far
+
+    @property
+    def capacity(self) -> int:
+        """Groups that may be in flight at once across all workers."""
+        return self.config.workers * groups_per_worker(self.config, self.group_size)
+
+    def _least_loaded(self) -> int:
+        wid = min(range(len(self._load)), key=self._load.__getitem__)
+        self._load[wid] += 1
+        return wid
+
+    def generated_tokens(self) -> int:
+        """Tokens sampled by all workers so far (for rollout tokens/s)."""
+        return sum(self._tokens)
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Groups submitted and not yet returned by poll()."""
+
+    @abstractmethod
+    def start(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Start the workers on these weights (blocks until they are ready, within the config's timeout)."""
+
+    @abstractmethod
+    def submit(self, job: GroupJob) -> None:
+        """Hand a group to the least-loaded worker."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float) -> list[list[Episode]]:
+        """Finished groups; waits up to timeout_s for the first one (0: never waits)."""
+
+    @abstractmethod
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """New weights for every worker; each applies them between decode steps."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the workers (in-flight groups are abandoned)."""

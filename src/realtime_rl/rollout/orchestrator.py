@@ -1,0 +1,141 @@
+"""`rtrl train`: the asynchronous RL loop, top to bottom, in the trainer's process.
+
+    summary = train(TrainConfig(max_staleness=2))     # resumes from config.run_dir when it can
+
+Each pass: admit new groups while the staleness bound allows (StalenessBuffer.may_start) and the
+workers have room; take a batch of the oldest fresh groups when enough are ready, otherwise wait for
+workers (the only place the trainer is idle, and it is timed); train one step; checkpoint; publish the
+new weights (after the checkpoint is durable, so no worker ever samples from a version a resume could
+lose); forget the consumed groups' log files. Finished groups are written to the durable trajectory
+log before the trainer may consume them.
+
+With max_staleness 0 this is synchronous on-policy RL: the next batch is admitted only after the
+step that needs it has published. With max_staleness > 0 workers keep sampling (from the newest
+weights they have; a swap lands between decode steps, so one episode can span versions and each
+token keeps its own) while the trainer trains.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from realtime_rl.config import TrainConfig
+from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
+from realtime_rl.rollout.base import RolloutBackend
+from realtime_rl.rollout.buffer import StalenessBuffer, TrajectoryLog
+from realtime_rl.rollout.worker import GroupJob, new_group_id
+from realtime_rl.train import RLTrainer
+
+POLL_S = 0.5
+
+
+def make_backend(config: TrainConfig, checkpoint_dir: Path) -> RolloutBackend:
+    if config.rollout.backend == "ray":
+        from realtime_rl.rollout.ray_actors import RayBackend
+        return RayBackend(config.rollout, checkpoint_dir, config.rl.group_size, config.seed)
+    from realtime_rl.rollout.local import LocalBackend
+    return LocalBackend(config.rollout, checkpoint_dir, config.rl.group_size, config.seed)
+
+
+def resolve_base(config: TrainConfig) -> Path:
+    if config.base_checkpoint is not None:
+        if not (Path(config.base_checkpoint) / "config.json").is_file():
+            raise ValueError(f"base_checkpoint {config.base_checkpoint}: not a checkpoint directory")
+        return Path(config.base_checkpoint)
+    from realtime_rl.config import PretrainConfig
+    from realtime_rl.train import ensure_base_model
+    return ensure_base_model(PretrainConfig())
+
+
+def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
+    torch.set_num_threads(config.threads)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    base = resolve_base(config)
+    trainer = RLTrainer.open(run_dir, base, config.rl)
+    gps, size = config.rl.groups_per_step, config.rl.group_size
+    log = TrajectoryLog(run_dir / "trajectories")
+    pending = log.load(trainer.consumed_ids())
+    buffer = StalenessBuffer(config.max_staleness, gps, started=trainer.version * gps + len(pending))
+    for group in pending:
+        buffer.add(group)
+    sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([] if show_progress else [ConsoleSink()]))
+
+    backend = make_backend(config, base)
+    t_start = time.perf_counter()
+    idle_s, first_version, history = 0.0, trainer.version, []
+    columns = (TextColumn("train"), BarColumn(), TextColumn("v{task.completed}/{task.total} {task.fields[info]}"),
+               TimeElapsedColumn())
+    try:
+        backend.start(trainer.weights(), trainer.version)
+        t_start = time.perf_counter()  # worker start-up is not training time
+        last_result = time.perf_counter()
+        with Progress(*columns, disable=not show_progress) as progress:
+            bar = progress.add_task("train", total=config.steps, completed=trainer.version, info="")
+            while trainer.version < config.steps:
+                if config.max_minutes and (time.perf_counter() - t_start) / 60 >= config.max_minutes:
+                    break
+                while backend.in_flight < backend.capacity and buffer.may_start(trainer.version):
+                    backend.submit(GroupJob(new_group_id(), config.rollout.first_task + buffer.started,
+                                            1 + buffer.started % config.rollout.max_difficulty, size,
+                                            config.seed * 1_000_003 + buffer.started, trainer.version))
+                    buffer.started += 1
+                batch, _dropped = buffer.take(trainer.version)
+                if batch is None:
+                    t0 = time.perf_counter()
+                    finished = backend.poll(POLL_S)
+                    idle_s += time.perf_counter() - t0
+                    if finished:
+                        last_result = time.perf_counter()
+                    elif backend.in_flight and time.perf_counter() - last_result > config.rollout.timeout_s:
+                        raise TimeoutError(f"no rollout finished in {config.rollout.timeout_s:.0f} s "
+                                           f"({backend.in_flight} groups in flight)")
+                    for group in finished:
+                        log.append(group)
+                        buffer.add(group)
+                    continue
+
+                t_step = time.perf_counter()
+                metrics = trainer.step([e for g in batch for e in g])
+                trainer.save(config.checkpoint_keep)
+                backend.publish(trainer.weights(), trainer.version)
+                log.remove(batch)
+                for group in backend.poll(0):
+                    log.append(group)
+                    buffer.add(group)
+                elapsed = time.perf_counter() - t_start
+                metrics |= {
+                    "train/step_s": time.perf_counter() - t_step,
+                    "train/idle_fraction": idle_s / max(elapsed, 1e-9),
+                    "train/minutes": elapsed / 60,
+                    "rollout/tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
+                    "rollout/dropped_stale_groups": float(buffer.dropped),
+                    "rollout/groups_ready": float(len(buffer.ready)),
+                }
+                sink.log(metrics, trainer.version)
+                history.append(metrics)
+                progress.update(bar, completed=trainer.version,
+                                info=f"reward {metrics['train/reward_mean']:.2f} idle {metrics['train/idle_fraction']:.0%}")
+    finally:
+        backend.close()
+        sink.close()
+    elapsed = time.perf_counter() - t_start
+    rewards = [m["train/reward_mean"] for m in history]
+    return {
+        "checkpoint": str(run_dir / "checkpoints" / f"v-{trainer.version:07d}"),
+        "version": trainer.version,
+        "steps_this_run": trainer.version - first_version,
+        "minutes": elapsed / 60,
+        "trainer_idle_fraction": idle_s / max(elapsed, 1e-9),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last_mean": float(np.mean(rewards[-3:])) if rewards else None,
+        "dropped_stale_groups": buffer.dropped,
+        "rollout_tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
+        "history": history,
+    }

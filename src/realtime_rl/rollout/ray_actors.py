@@ -1,0 +1,94 @@
+"""Rollout workers as Ray actors: weights and trajectories travel through Ray's object store.
+
+The orchestrator puts each new weight version in the object store once (`ray.put`) and hands every
+actor the reference; a finished group comes back as the result of `run_group.remote(job)` (episode
+bytes, no pickle of our classes). Actors are threaded (max_concurrency) so several groups share one
+engine batch and a weight update is not stuck behind a running group. Connects to a running cluster
+if `ray.is_initialized()`, otherwise starts a local one with `ray.init(num_cpus=...)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from realtime_rl.config import RolloutConfig
+from realtime_rl.rollout.base import RolloutBackend, groups_per_worker
+from realtime_rl.rollout.worker import GroupJob, RolloutWorker
+from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
+
+
+class _Actor:
+    def __init__(self, checkpoint_dir: str, config: RolloutConfig, worker_id: int, seed: int) -> None:
+        self.worker = RolloutWorker(checkpoint_dir, config, worker_id, seed)
+
+    def ready(self) -> bool:
+        return True
+
+    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.worker.set_weights(state, version)
+
+    def run_group(self, job: GroupJob) -> tuple[list[bytes], int]:
+        episodes = self.worker.run_group(job)
+        return [episode_to_bytes(e) for e in episodes], self.worker.generated_tokens
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class RayBackend(RolloutBackend):
+    def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0) -> None:
+        import ray  # optional dependency (extra "ray")
+
+        super().__init__(config, checkpoint_dir, group_size, seed)
+        self.ray = ray
+        self._actors: list = []
+        self._pending: dict = {}  # ObjectRef -> worker id
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def start(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(2, self.config.workers), include_dashboard=False, log_to_driver=False)
+        actor_cls = ray.remote(_Actor).options(num_cpus=1, max_concurrency=groups_per_worker(self.config, self.group_size) + 2)
+        self._actors = [actor_cls.remote(str(self.checkpoint_dir), self.config, wid, self.seed)
+                        for wid in range(self.config.workers)]
+        ray.get([a.ready.remote() for a in self._actors], timeout=self.config.timeout_s)
+        self.publish(state, version)
+
+    def submit(self, job: GroupJob) -> None:
+        wid = self._least_loaded()
+        self._pending[self._actors[wid].run_group.remote(job)] = wid
+
+    def poll(self, timeout_s: float) -> list[list[Episode]]:
+        if not self._pending:
+            time.sleep(min(timeout_s, 0.05))
+            return []
+        first, _ = self.ray.wait(list(self._pending), num_returns=1, timeout=max(0.0, timeout_s))
+        done = self.ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)[0] if first else []
+        out = []
+        for ref in done:
+            wid = self._pending.pop(ref)
+            self._load[wid] -= 1
+            blobs, tokens = self.ray.get(ref, timeout=self.config.timeout_s)  # raises the actor's error, if any
+            self._tokens[wid] = tokens
+            out.append([episode_from_bytes(b) for b in blobs])
+        return out
+
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        ref = self.ray.put({k: v.detach().cpu() for k, v in state.items()})
+        self.ray.get([a.set_weights.remote(ref, version) for a in self._actors], timeout=self.config.timeout_s)
+
+    def close(self) -> None:
+        for actor in self._actors:
+            try:
+                self.ray.get(actor.close.remote(), timeout=30)
+            finally:
+                self.ray.kill(actor)
+        self._actors = []

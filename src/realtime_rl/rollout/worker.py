@@ -1,0 +1,118 @@
+"""A rollout worker: one engine, a warm sandbox pool, and episodes in flight on threads.
+
+    worker = RolloutWorker(checkpoint_dir, RolloutConfig(), worker_id=0, seed=0)
+    worker.set_weights(state, version)           # staged; the engine swaps between decode steps
+    episodes = worker.run_group(GroupJob(...))   # group_size graded episodes of one task
+    worker.close()
+
+The same class runs inside a local worker process (local.py) and inside a Ray actor (ray_actors.py).
+Episodes of all groups in flight share the engine's continuous batch, so a worker with 16 episodes
+in flight decodes 16 rows per step. Tokens keep the version that produced them: a weight update
+arriving mid-episode applies at the next decode step, and the rest of the episode is sampled from it.
+Grading runs the task's pristine (and hidden) tests in a fresh sandbox, as the eval harness does.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from realtime_rl.config import RolloutConfig
+from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
+from realtime_rl.environments import Sandbox, WarmPool, generate_task, grade, load_task, run_episode
+from realtime_rl.environments.agent_loop import PolicyOutput
+from realtime_rl.environments.synthetic import split_size
+from realtime_rl.model import load_checkpoint
+from realtime_rl.types import Episode
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """group_size episodes of synthetic train task `task_index` (difficulty given), one GRPO group."""
+
+    group_id: str
+    task_index: int
+    difficulty: int
+    group_size: int
+    seed: int
+    started_version: int
+    """The trainer's version when the orchestrator admitted the group (for staleness accounting)."""
+
+
+class _LatentPolicy:
+    """Adds simulated tool latency before every turn after the first (the previous turn's tools 'ran')."""
+
+    def __init__(self, policy: EnginePolicy, latency_s: float) -> None:
+        self.policy, self.latency_s, self.turns = policy, latency_s, 0
+
+    def generate(self, context_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> PolicyOutput:
+        if self.turns and self.latency_s:
+            time.sleep(self.latency_s)
+        self.turns += 1
+        return self.policy.generate(context_ids, max_new_tokens, stop_ids)
+
+
+class RolloutWorker:
+    def __init__(self, checkpoint_dir: str | Path, config: RolloutConfig, worker_id: int = 0, seed: int = 0) -> None:
+        torch.set_num_threads(config.threads_per_worker)
+        ckpt = load_checkpoint(checkpoint_dir, dtype=torch.float32)
+        if ckpt.tokenizer is None:
+            raise ValueError(f"{checkpoint_dir}: the checkpoint has no tokenizer")
+        self.tokenizer = ckpt.tokenizer
+        self.config = config
+        self.worker_id = worker_id
+        engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=config.episodes_in_flight,
+                        max_seq_len=config.agent.max_context_tokens, seed=seed + 7919 * worker_id)
+        self.engine = AsyncEngine(engine, max_pending=4 * config.episodes_in_flight).start()
+        self.pool = WarmPool(config.sandbox)
+        self.grader = Sandbox(config.sandbox)
+        self.episodes = ThreadPoolExecutor(config.episodes_in_flight, thread_name_prefix=f"rollout-{worker_id}")
+        self._tasks_dir = Path(tempfile.mkdtemp(prefix=f"rtrl-rollout-{worker_id}-"))
+        self._lock = threading.Lock()
+        self.generated_tokens = 0
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update_weights(state, version)
+
+    def run_group(self, job: GroupJob) -> list[Episode]:
+        index = job.task_index % split_size("train", job.difficulty)  # past the pool's end: wrap around
+        synthetic = generate_task(index, "train", self.config.task_seed, difficulty=job.difficulty)
+        task = load_task(synthetic.write(self._tasks_dir / job.group_id))
+        agent = self.config.agent
+
+        def one(i: int) -> Episode:
+            policy = EnginePolicy(self.engine, temperature=self.config.temperature, seed=job.seed * 1009 + i,
+                                  timeout_s=self.config.timeout_s)
+            result = run_episode(_LatentPolicy(policy, self.config.tool_latency_s), self.tokenizer, task, self.pool,
+                                 agent, episode_id=f"{job.group_id}-{i}")
+            g = grade(task, result.workspace.snapshot(), self.grader, include_hidden=True,
+                      timeout_s=agent.test_timeout_s)
+            episode = result.episode
+            episode.group_id, episode.passed = job.group_id, g.passed
+            episode.metadata.update(started_version=job.started_version, worker=self.worker_id,
+                                    tests_passed=g.tests_passed, tests_failed=g.tests_failed)
+            with self._lock:
+                self.generated_tokens += sum(s.num_generated for s in episode.segments)
+            return episode
+
+        return list(self.episodes.map(one, range(job.group_size)))
+
+    def close(self) -> None:
+        self.episodes.shutdown(wait=False, cancel_futures=True)
+        self.engine.stop()
+        self.pool.close()
+
+
+def new_group_id() -> str:
+    return uuid.uuid4().hex[:16]

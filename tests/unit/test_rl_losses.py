@@ -1,0 +1,74 @@
+"""The RL objective: advantages, decoupled PPO with TIS and IcePop, k3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from realtime_rl.train import LossConfig, group_advantages, k3, policy_loss
+
+
+def test_group_advantages_mean_and_leave_one_out():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
+    mean_adv = group_advantages(r, std_normalize=False)
+    torch.testing.assert_close(mean_adv, r - 0.6)
+    loo = group_advantages(r, leave_one_out=True, std_normalize=False)
+    for i in range(5):  # r_i minus the mean of the others
+        others = torch.cat([r[:i], r[i + 1:]]).mean()
+        assert loo[i].item() == pytest.approx((r[i] - others).item())
+    normed = group_advantages(r)
+    assert normed.mean().abs() < 1e-6 and normed.std().item() == pytest.approx(1.0, rel=1e-3)
+
+
+def test_equal_rewards_give_no_signal():
+    assert group_advantages(torch.ones(4)).abs().max() == 0
+    assert group_advantages(torch.tensor([3.0])).abs().max() == 0
+
+
+def test_k3_is_nonnegative_and_zero_on_equal():
+    a = torch.randn(100)
+    b = a + 0.3 * torch.randn(100)
+    assert (k3(a, b) >= 0).all()
+    assert k3(a, a).abs().max() == 0
+
+
+def _grad(new, prox, behav, adv, cfg=LossConfig()):
+    new = new.clone().requires_grad_(True)
+    loss, sums = policy_loss(new, prox, behav, adv, num_tokens=new.numel(), cfg=cfg)
+    loss.backward()
+    return new.grad, sums
+
+
+def test_on_policy_gradient_raises_logprob_of_positive_advantage_tokens():
+    lp = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    grad, sums = _grad(lp, lp, lp, torch.tensor([1.0, -1.0, 0.0]))
+    assert grad[0] < 0 and grad[1] > 0 and grad[2] == 0  # descending the loss raises token 0, lowers token 1
+    assert sums["clip_fraction"] == 0 and sums["icepop_masked_fraction"] == 0 and sums["mismatch_k3"] == 0
+
+
+def test_ppo_clip_stops_the_gradient_past_the_band():
+    prox = torch.log(torch.tensor([0.2, 0.2]))
+    new = prox + torch.tensor([0.5, 0.1])  # ratios 1.65 (past 1 + 0.28) and 1.1 (inside)
+    grad, sums = _grad(new, prox, prox, torch.tensor([1.0, 1.0]))
+    assert grad[0] == 0 and grad[1] != 0
+    assert sums["clip_fraction"] == 1
+
+
+def test_icepop_masks_and_tis_truncates_off_policy_tokens():
+    prox = torch.log(torch.tensor([0.5, 0.5, 0.5]))
+    behav = prox - torch.log(torch.tensor([1.0, 1.8, 3.0]))  # behaviour->proximal weights 1, 1.8, 3
+    cfg = LossConfig(tis_cap=1.5, icepop_low=0.5, icepop_high=2.0)
+    grad, sums = _grad(prox, prox, behav, torch.ones(3), cfg)
+    assert grad[2] == 0  # weight 3 is outside [0.5, 2]: masked
+    assert grad[1].item() == pytest.approx(1.5 * grad[0].item())  # weight 1.8 truncated at 1.5
+    assert sums["icepop_masked_fraction"] == 1 and sums["tis_truncated_fraction"] == 2
+
+
+def test_kl_to_reference_pulls_back():
+    new = torch.log(torch.tensor([0.6, 0.4]))
+    ref = torch.log(torch.tensor([0.3, 0.7]))
+    x = new.clone().requires_grad_(True)
+    loss, sums = policy_loss(x, new, new, torch.zeros(2), 2, LossConfig(kl_coef=1.0), ref)
+    loss.backward()
+    assert sums["kl_ref"] > 0
+    assert x.grad[0] > 0 and x.grad[1] < 0  # descent lowers the token the reference likes less
