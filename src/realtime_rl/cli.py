@@ -1,8 +1,8 @@
 """The `rtrl` command. One entry point; each subcommand reads its config (`--config FILE.toml`,
 `--set key=value`), shows progress, and exits non-zero with a one-line reason on bad input.
 
-Subcommands appear here as their stage lands: `demo`, `pretrain`, `eval`, `serve` and `bench` today;
-`train`, `loop`, `registry` and `simulate-users` arrive with the issues that build them.
+Subcommands appear here as their stage lands: `demo`, `pretrain`, `train`, `eval`, `serve` and `bench`
+today; `loop`, `registry` and `simulate-users` arrive with the issues that build them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from realtime_rl.config import DemoConfig, EvalConfig, PretrainConfig, ServeConfig, load_config
+from realtime_rl.config import DemoConfig, EvalConfig, PretrainConfig, ServeConfig, TrainConfig, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pre = sub.add_parser("pretrain", help="continued pre-training of the base model on generated agent episodes")
     _add_config_args(pre)
+
+    tr = sub.add_parser("train", help="asynchronous RL on sandboxed synthetic coding tasks (resumes from its run_dir)")
+    _add_config_args(tr)
+    tr.add_argument("--base", type=Path, help="base checkpoint directory (default: build or reuse the default base model)")
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible gateway in front of the engine")
     _add_config_args(serve)
@@ -87,6 +91,14 @@ def _run(args: argparse.Namespace) -> int:
         from realtime_rl.train import pretrain
 
         result = pretrain(load_config(PretrainConfig, args.config, args.overrides))
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.command == "train":
+        from realtime_rl.rollout import train
+
+        overrides = _flag_overrides({"base_checkpoint": args.base})
+        result = train(load_config(TrainConfig, args.config, [*overrides, *args.overrides]))
+        result.pop("history")
         print(json.dumps(result, indent=2))
         return 0
     if args.command == "serve":

@@ -10,6 +10,7 @@ engine batch stays full; a newer weight message simply replaces a pending one in
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -44,8 +45,14 @@ def _worker_main(checkpoint_dir: str, config: RolloutConfig, worker_id: int, see
 
     outbox.put(("ready", worker_id))
     try:
+        parent = mp.parent_process()
         while True:
-            message = inbox.get()
+            try:
+                message = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    os._exit(1)  # the orchestrator was killed (even with SIGKILL): do not outlive it
+                continue
             if message[0] == "stop":
                 break
             if message[0] == "weights":
@@ -55,6 +62,9 @@ def _worker_main(checkpoint_dir: str, config: RolloutConfig, worker_id: int, see
     finally:
         groups.shutdown(wait=False, cancel_futures=True)
         worker.close()
+        outbox.close()
+        outbox.join_thread()
+        os._exit(0)  # episode threads still waiting on the stopped engine must not hold the process
 
 
 class LocalBackend(RolloutBackend):
