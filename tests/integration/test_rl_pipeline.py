@@ -115,3 +115,5 @@ def test_sigkilled_trainer_resumes_without_losing_or_retraining_a_group(tmp_path
     assert len(consumed) == len(set(consumed)), "an episode was trained twice"
     assert consumed_before <= set(consumed)
     assert pending_ids <= set(consumed), "a group the killed trainer had received was lost"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["metrics"]["train/staleness_max"] <= 2 for line in lines)  # the bound holds across the resume
