@@ -226,3 +226,33 @@ def test_a_vanishing_top_p_keeps_the_top_token(moe):
                                                    ignore_eos=True))[0].samples[0]
     assert out.token_ids == Engine(moe).generate([p], SamplingParams(temperature=0.0, max_tokens=4,
                                                                       ignore_eos=True))[0].samples[0].token_ids
+
+
+def test_prefix_caching_reuses_an_agents_previous_turn_and_changes_nothing(moe):
+    """Turn 2 extends turn 1 (its prompt, its output, a tool result): the cached engine prefills only the
+    new tokens, yet returns the same tokens, logprobs and routing as an engine that recomputes all."""
+    cached, plain = Engine(moe, max_batch=4, max_seq_len=128), Engine(moe, max_batch=4, max_seq_len=128,
+                                                                        prefix_caching=False)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
+    a, b = prompts(20, 9, seed=1)
+    first = [e.generate([a, b], params)[0].samples[0] for e in (cached, plain)]
+    assert first[0].token_ids == first[1].token_ids
+    turn2 = a + first[0].token_ids + prompts(6, seed=2)[0]
+    hits_before = cached.prefix_hit_tokens
+    outs = [e.generate([turn2], params)[0].samples[0] for e in (cached, plain)]
+    assert cached.prefix_hit_tokens - hits_before == len(a) + len(first[0].token_ids) - 1
+    assert plain.prefix_hit_tokens == 0
+    assert outs[0].token_ids == outs[1].token_ids
+    torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(outs[1].logprobs), atol=1e-5, rtol=0)
+    assert outs[0].routing.shape == outs[1].routing.shape == (len(turn2) + 7, 3, 2)
+    assert (outs[0].routing == outs[1].routing).all()
+
+
+def test_prefix_cache_is_dropped_at_a_weight_swap(moe):
+    engine = Engine(moe, max_batch=2, max_seq_len=64)
+    p = prompts(12)[0]
+    out = engine.generate([p], GREEDY)[0].samples[0]
+    engine.update_weights({k: v.clone() for k, v in moe.named_parameters()}, version=1)
+    engine.step()  # the swap applies between steps
+    engine.generate([p + out.token_ids], GREEDY)
+    assert engine.prefix_hit_tokens == 0  # the prefix was computed by version 0's weights

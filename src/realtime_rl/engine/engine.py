@@ -10,7 +10,12 @@ share its prefill: the prompt's keys/values are copied to the other slots); deco
 running sequence in one batch; retire finished sequences, freeing their slots. Every token records the
 policy version whose weights produced it, its logprobs and its MoE routing.
 
-Not here: paged attention, prefix caching across requests, chunked prefill, speculative decoding.
+Prefix caching: a freed slot keeps its keys/values (and routing) until reused. A new request takes the
+free slot whose cached tokens share the longest prefix with its prompt and prefills only the rest, so
+an agent's next turn (its previous context + the tool results) costs only the new tokens. The cache is
+dropped at a weight swap: a prefix is reused only under the weights that computed it.
+
+Not here: paged attention, prefix sharing between running sequences, chunked prefill, speculative decoding.
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ class _Request:
 
 class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
-                 max_seq_len: int = 2048, version: int = 0, capture_routing: bool = True, seed: int = 0) -> None:
+                 max_seq_len: int = 2048, version: int = 0, capture_routing: bool = True, seed: int = 0,
+                 prefix_caching: bool = True) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError("need max_batch >= 1 and max_seq_len >= 2")
         self.model = model.eval()
@@ -108,6 +114,13 @@ class Engine:
         self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
         self.default_stop_ids = tokenizer.stop_token_ids if tokenizer is not None else []
         self._free_slots = list(range(max_batch))
+        self.prefix_caching = prefix_caching
+        self._slot_tokens: list[np.ndarray | None] = [None] * max_batch  # tokens whose KV a free slot holds
+        self._slot_routing: list[torch.Tensor | None] = [None] * max_batch  # and their routing
+        self._slot_freed: list[int] = [-1] * max_batch  # when each slot was last freed (LRU eviction)
+        self._frees = itertools.count()
+        self.prefix_hit_tokens = 0
+        self.prefill_tokens = 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Seq] = []
         self._lock = threading.Lock()  # guards _waiting, _pending_swap and aborts across threads
@@ -190,6 +203,8 @@ class Engine:
             for name, p in self.model.named_parameters():
                 p.data = staged[name]
         self.version = version
+        self._slot_tokens = [None] * self.max_batch  # cached prefixes were computed by the old weights
+        self._slot_routing = [None] * self.max_batch
         self.last_swap_pause_ms = (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------------------------------ the step
@@ -206,47 +221,83 @@ class Engine:
         return finished
 
     def _admit_and_prefill(self, finished: list[RequestOutput]) -> None:
-        admitted: list[_Request] = []
+        admitted: list[tuple[_Request, int]] = []  # (request, prompt tokens its slot already holds)
         with self._lock:
             while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self._free_slots)):
                 req = self._waiting.popleft()
                 if req.aborted:
                     finished.append(self._output(req, "abort"))
                     continue
+                reuse = []
                 for i in range(req.params.n):
                     seed = None if req.params.seed is None else req.params.seed + i
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
                     gen = torch.Generator(device=self.device).manual_seed(seed)
-                    self._free_slots.sort()
-                    req.seqs.append(_Seq(req, i, self._free_slots.pop(0), gen))
-                admitted.append(req)
+                    slot, hit = self._take_slot(req.prompt_ids if i == 0 else None)
+                    reuse.append(hit)
+                    req.seqs.append(_Seq(req, i, slot, gen))
+                admitted.append((req, reuse[0]))
         if not admitted:
             return
-        lengths = [len(r.prompt_ids) for r in admitted]
-        T = max(lengths)
+        lengths = [len(r.prompt_ids) for r, _ in admitted]
+        starts = [hit for _, hit in admitted]
+        T = max(n - s for n, s in zip(lengths, starts))
         ids = torch.zeros(len(admitted), T, dtype=torch.long)
-        for b, req in enumerate(admitted):
-            ids[b, : lengths[b]] = torch.tensor(req.prompt_ids)
-        positions = torch.arange(T).expand(len(admitted), T)
-        slots = torch.tensor([r.seqs[0].slot for r in admitted])
+        positions = torch.zeros(len(admitted), T, dtype=torch.long)
+        for b, (req, start) in enumerate(admitted):
+            new = lengths[b] - start
+            ids[b, :new] = torch.tensor(req.prompt_ids[start:])
+            # Padding writes throwaway keys past the prompt (overwritten before any query reaches them).
+            positions[b] = torch.cat([torch.arange(start, lengths[b]),
+                                      torch.arange(lengths[b], lengths[b] + T - new).clamp(max=self.max_seq_len - 1)])
+        self.prefill_tokens += sum(lengths)
+        self.prefix_hit_tokens += sum(starts)
+        slots = torch.tensor([r.seqs[0].slot for r, _ in admitted])
         with torch.no_grad():
             out = self.model(ids.to(self.device), positions.to(self.device), kv_cache=self.cache,
                              cache_slots=slots.to(self.device), capture_routing=self.capture_routing)
         now = time.perf_counter()
-        last = torch.tensor(lengths) - 1
+        last = torch.tensor([n - s for n, s in zip(lengths, starts)]) - 1
         logits_BV = out.logits_BTV[torch.arange(len(admitted)), last.to(self.device)]
         rows: list[_Seq] = []
         row_logits = []
-        for b, req in enumerate(admitted):
+        for b, (req, start) in enumerate(admitted):
             req.prefilled = now
             if out.routing_BTLK is not None:
-                req.prompt_routing = out.routing_BTLK[b, : lengths[b]].cpu()
+                computed = out.routing_BTLK[b, : lengths[b] - start].cpu()
+                cached = self._slot_routing[req.seqs[0].slot]
+                req.prompt_routing = torch.cat([cached[:start], computed]) if start else computed
+            self._slot_routing[req.seqs[0].slot] = None
             for seq in req.seqs[1:]:
                 self.cache.copy_prefix(req.seqs[0].slot, seq.slot, lengths[b])
             rows += req.seqs
             row_logits += [logits_BV[b]] * len(req.seqs)
         self._sample(rows, torch.stack(row_logits))
         self._running += rows
+
+    def _take_slot(self, prompt: list[int] | None) -> tuple[int, int]:
+        """(a free slot, how many leading prompt tokens its cache already holds).
+
+        The slot with the longest cached prefix of the prompt when there is one (at least one prompt
+        token is always recomputed, for its logits); otherwise the least recently freed slot.
+        """
+        best, best_hit = None, 0
+        if prompt is not None and self.prefix_caching:
+            p = np.asarray(prompt)
+            for slot in self._free_slots:
+                cached = self._slot_tokens[slot]
+                if cached is None or (self.capture_routing and self._slot_routing[slot] is None):
+                    continue
+                n = min(len(cached), len(p) - 1)
+                differ = np.flatnonzero(cached[:n] != p[:n])
+                hit = int(differ[0]) if len(differ) else n
+                if hit > best_hit:
+                    best, best_hit = slot, hit
+        if best is None:
+            best = min(self._free_slots, key=lambda s: (self._slot_freed[s], s))
+        self._free_slots.remove(best)
+        self._slot_tokens[best] = None
+        return best, best_hit
 
     def _decode(self) -> None:
         seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)
@@ -325,6 +376,11 @@ class Engine:
                 still.append(s)
             else:
                 self._free_slots.append(s.slot)
+                self._slot_freed[s.slot] = next(self._frees)
+                # The slot's cache holds the prompt and every generated token but the last (never an input).
+                self._slot_tokens[s.slot] = np.asarray(s.req.prompt_ids + s.token_ids[:-1])
+                if s.req.prompt_routing is not None:
+                    self._slot_routing[s.slot] = torch.cat([s.req.prompt_routing, *s.routing])
         finished_reqs = {id(s.req): s.req for s in self._running if s.finish_reason is not None}
         self._running = still
         for req in finished_reqs.values():
