@@ -43,7 +43,7 @@ def test_on_policy_gradient_raises_logprob_of_positive_advantage_tokens():
     lp = torch.log(torch.tensor([0.2, 0.5, 0.3]))
     grad, sums = _grad(lp, lp, lp, torch.tensor([1.0, -1.0, 0.0]))
     assert grad[0] < 0 and grad[1] > 0 and grad[2] == 0  # descending the loss raises token 0, lowers token 1
-    assert sums["clip_fraction"] == 0 and sums["icepop_masked_fraction"] == 0 and sums["mismatch_k3"] == 0
+    assert sums["clip_fraction"] == 0 and sums["icepop_masked_fraction"] == 0 and sums["offpolicy_k3"] == 0
 
 
 def test_ppo_clip_stops_the_gradient_past_the_band():

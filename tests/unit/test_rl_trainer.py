@@ -74,7 +74,7 @@ def test_router_replay_is_what_the_trainer_uses(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     engine.update_weights(trainer.weights(), 0)
     seg = _episodes(engine, 0)[0].segments[0]
-    ids, mask, behav, _, routing = trainer._batch([(seg, 1.0)])
+    ids, mask, behav, _, _, routing = trainer._batch([(seg, 1.0)])
     replayed, _ = trainer._forward(ids, routing)
     torch.testing.assert_close(replayed[mask[:, 1:]], behav[:, 1:][mask[:, 1:]], atol=1e-5, rtol=0)
     shuffled, _ = trainer._forward(ids, (routing + 1) % model.config.num_experts)

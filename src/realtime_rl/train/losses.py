@@ -69,8 +69,8 @@ def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The summed (not yet averaged) loss of N generated tokens, divided by the step's num_tokens.
 
-    Returns (loss, sums) where sums are per-metric token sums (clipped, masked, k3 behav->prox, kl to ref),
-    to be divided by num_tokens once all micro-batches are done.
+    Returns (loss, sums) where sums are per-metric token sums (clipped, masked, k3 of behaviour vs
+    proximal, KL to the reference), to be divided by num_tokens once all micro-batches are done.
     """
     prox_N = prox_N.detach()
     with torch.no_grad():
@@ -91,8 +91,7 @@ def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor
             "clip_fraction": ((ratio_N * adv_N) != surrogate_N).float().sum(),
             "icepop_masked_fraction": (~keep_N).float().sum(),
             "tis_truncated_fraction": (is_N > cfg.tis_cap).float().sum(),
-            "mismatch_k3": k3(behav_N, prox_N).sum(),
-            "mismatch_abs_logprob_diff": (prox_N - behav_N).abs().sum(),
+            "offpolicy_k3": k3(behav_N, prox_N).sum(),
             "kl_ref": kl_sum,
         }
     return loss, sums

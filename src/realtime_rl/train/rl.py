@@ -34,7 +34,7 @@ import torch
 
 from realtime_rl.config import RLConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, routing_dtype, save_checkpoint
-from realtime_rl.train.losses import LossConfig, group_advantages, policy_loss
+from realtime_rl.train.losses import LossConfig, group_advantages, k3, policy_loss
 from realtime_rl.types import Episode, Segment
 
 STATE_FILE = "trainer_state.pt"
@@ -184,8 +184,9 @@ class RLTrainer:
         prox = self._logprobs_no_grad(items) if recompute_prox else None
         order = list(range(len(items)))
         totals: dict[str, float] = defaultdict(float)
+        mismatch = {"tokens": 0, "k3": 0.0, "max": 0.0}  # over tokens of the current version, first pass only
         num_updates = 0
-        for _epoch in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             for mb in range(cfg.minibatches):
                 chosen = order[mb :: cfg.minibatches]
                 if not chosen:
@@ -193,9 +194,13 @@ class RLTrainer:
                 num_tokens = sum(items[i][0].num_generated for i in chosen)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in _micro_batches([(items[i][0], items[i][1]) for i in chosen], cfg.micro_batch_tokens):
-                    sums = self._micro_step(micro, num_tokens, prox)
+                    sums, fresh = self._micro_step(micro, num_tokens, prox)
                     for k, v in sums.items():
                         totals[k] += v / num_tokens
+                    if epoch == 0:  # the proximal logprobs are those of the weights at the step start
+                        mismatch["tokens"] += fresh[0]
+                        mismatch["k3"] += fresh[1]
+                        mismatch["max"] = max(mismatch["max"], fresh[2])
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 self.optimizer.step()
                 totals["grad_norm"] += float(grad_norm)
@@ -203,15 +208,22 @@ class RLTrainer:
         out = {f"train/{k}": v / num_updates for k, v in totals.items()}
         out["train/lr"] = lr
         out["train/trained_sequences"] = float(len(items))
+        if mismatch["tokens"]:
+            # Engine vs trainer on tokens the current weights generated (verl/slime rollout-correction metrics):
+            # with R3 in fp32 this is numerical noise; staleness shows in offpolicy_k3 instead.
+            out["train/mismatch_k3"] = mismatch["k3"] / mismatch["tokens"]
+            out["train/mismatch_max_abs_logprob_diff"] = mismatch["max"]
+        out["train/fresh_token_fraction"] = mismatch["tokens"] / sum(s.num_generated for s, _ in items)
         return out
 
     def _batch(self, micro: list[tuple[Segment, float]]) -> tuple[torch.Tensor, ...]:
-        """Right-padded [B, T] ids, loss mask (of targets), behaviour logprobs, advantages, routing."""
+        """Right-padded [B, T] ids, loss mask (of targets), behaviour logprobs, advantages, versions, routing."""
         B, T = len(micro), max(len(s.token_ids) for s, _ in micro)
         ids = torch.zeros((B, T), dtype=torch.long)
         mask = torch.zeros((B, T), dtype=torch.bool)
         behav = torch.zeros((B, T), dtype=torch.float32)
         adv = torch.zeros((B, T), dtype=torch.float32)
+        versions = torch.full((B, T), -1, dtype=torch.long)
         routing = None
         if self.config.router_replay and self.model.num_moe_layers and micro[0][0].routing is not None:
             L, k = micro[0][0].routing.shape[1:]
@@ -222,11 +234,12 @@ class RLTrainer:
             mask[b, :n] = torch.from_numpy(seg.loss_mask)
             behav[b, :n] = torch.from_numpy(seg.logprobs.astype(np.float32))
             adv[b, :n] = a
+            versions[b, :n] = torch.from_numpy(seg.versions.astype(np.int64))
             if routing is not None:
                 if seg.routing is None:
                     raise ValueError("router replay is on but a segment has no recorded routing")
                 routing[b, :n] = torch.from_numpy(seg.routing.astype(np.int64)).to(self._route_dtype)
-        return ids, mask, behav, adv, routing
+        return ids, mask, behav, adv, versions, routing
 
     def _forward(self, ids: torch.Tensor, routing: torch.Tensor | None, model: Qwen3ForCausalLM | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,9 +261,10 @@ class RLTrainer:
                 out[id(seg)] = lp[b, : len(seg.token_ids) - 1]
         return out
 
-    def _micro_step(self, micro: list[tuple[Segment, float]], num_tokens: int,
-                    prox: dict[int, torch.Tensor] | None) -> dict[str, float]:
-        ids, mask, behav, adv, routing = self._batch(micro)
+    def _micro_step(self, micro: list[tuple[Segment, float]], num_tokens: int, prox: dict[int, torch.Tensor] | None
+                    ) -> tuple[dict[str, float], tuple[int, float, float]]:
+        """Forward, loss, backward of one micro-batch: (metric sums, (fresh tokens, their k3 sum, max |diff|))."""
+        ids, mask, behav, adv, versions, routing = self._batch(micro)
         new_lp, logp = self._forward(ids, routing)
         target_mask = mask[:, 1:]
         if prox is None:
@@ -270,7 +284,13 @@ class RLTrainer:
         with torch.no_grad():
             p = logp[target_mask].exp()
             entropy = -(p * logp[target_mask]).sum(-1).sum()
-        return {"loss": float(loss.detach()) * num_tokens, "entropy": float(entropy), **{k: float(v) for k, v in sums.items()}}
+            fresh = versions[:, 1:][target_mask] == self.version
+            recomputed, engine = prox_lp[target_mask][fresh], behav[:, 1:][target_mask][fresh]
+            fresh_stats = (int(fresh.sum()), float(k3(engine, recomputed).sum()),
+                           float((recomputed - engine).abs().max()) if fresh.any() else 0.0)
+        metrics = {"loss": float(loss.detach()) * num_tokens, "entropy": float(entropy),
+                   **{k: float(v) for k, v in sums.items()}}
+        return metrics, fresh_stats
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
