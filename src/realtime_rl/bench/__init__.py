@@ -21,6 +21,7 @@ BENCHMARKS = {
     "sandbox": "cold and warm sandboxed test runs: latency, throughput, isolation level, escapes contained",
     "engine": "decode tokens/s of our engine against transformers' generate (batch 1, 8, 32), capture cost, swap pause",
     "mismatch": "engine logprobs against the trainer's full-sequence forward on a tiny MoE, with and without router replay",
+    "delta": "weight-delta ratio vs the peers' encodings and the entropy bound on real AdamW steps, codec speed, swap pause",
 }
 
 

@@ -1,0 +1,44 @@
+"""Deploy: lossless weight deltas, the transports that carry them, and publishing/applying them.
+
+Public API (other stages import only these names, from `realtime_rl.deploy`):
+
+    WeightPublisher(transport, snapshot_every=10, keep_snapshots=2, dtype=torch.bfloat16)
+        .publish(tensors, version) -> PublishStats          # the trainer, after each optimizer step
+        .resume() -> newest published version | None        # after a restart, before publishing again
+    WeightSubscriber(transport, apply=engine.update_weights, state=None, max_chain=32)
+        .poll() -> new version | None; .run(stop_event, interval_s)   # rollout workers, gateways
+    FilesystemTransport(root) | HttpTransport(url) | RayTransport(name)   # where blobs travel
+    weights_router(FilesystemTransport, write_token) / create_weights_app(...)   # serve a store over HTTP
+    WeightState.of(tensors, version); encode_delta(base, new); encode_snapshot(state); decode(blob, base)
+    DeltaError (OutOfOrder), TransportError (MissingBlob), WeightSyncError
+
+The format, the codec and the measured figures: docs/weight_sync.md. Not here yet: the registry,
+canary and rollback (issue 7).
+"""
+
+from typing import Any
+
+from realtime_rl.deploy.delta import (
+    DeltaError, OutOfOrder, WeightState, decode, encode_delta, encode_snapshot, read_header, state_digest,
+    tensor_digest,
+)
+from realtime_rl.deploy.sync import PublishStats, WeightPublisher, WeightSubscriber, WeightSyncError
+from realtime_rl.deploy.transports import (
+    FilesystemTransport, HttpTransport, MissingBlob, TransportError, WeightTransport, create_weights_app,
+    weights_router,
+)
+
+__all__ = [
+    "DeltaError", "FilesystemTransport", "HttpTransport", "MissingBlob", "OutOfOrder", "PublishStats",
+    "RayTransport", "TransportError", "WeightPublisher", "WeightState", "WeightSubscriber", "WeightSyncError",
+    "WeightTransport",
+    "create_weights_app", "decode", "encode_delta", "encode_snapshot", "read_header", "state_digest",
+    "tensor_digest", "weights_router",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RayTransport":  # imports ray, an optional extra, only when asked for
+        from realtime_rl.deploy.transports.ray import RayTransport
+        return RayTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

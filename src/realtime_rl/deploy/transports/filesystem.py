@@ -1,0 +1,139 @@
+"""Weight blobs in a directory: one subdirectory per version, made visible by a single rename.
+
+    root/0000000012/delta.rtw       (from the previous published version)
+    root/0000000012/snapshot.rtw    (every N versions)
+
+`publish` writes into `root/.staging-*`, fsyncs, then renames the directory to its version name, so a
+reader sees a version whole or not at all; `remove` renames it away before deleting. Works on a
+local disk or a shared filesystem (NFS, a mounted bucket); each call runs on a helper thread and
+gives up with TransportError after `timeout_s`, so a hung mount cannot hang the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+from realtime_rl.deploy.transports.base import (
+    KINDS, MissingBlob, TransportError, WeightTransport, check_blobs,
+)
+
+T = TypeVar("T")
+SUFFIX = ".rtw"
+
+
+def with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Run fn on a daemon thread; TransportError if it has not finished within timeout_s."""
+    result: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # re-raised on the caller's thread
+            result["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"transport: {what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TransportError(f"{what} did not finish within {timeout_s:g} s")
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["value"]  # type: ignore[return-value]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FilesystemTransport(WeightTransport):
+    def __init__(self, root: str | os.PathLike, timeout_s: float = 60.0) -> None:
+        self.root = Path(root)
+        self.timeout_s = timeout_s
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def version_dir(self, version: int) -> Path:
+        return self.root / f"{version:010d}"
+
+    def blob_path(self, version: int, kind: str) -> Path:
+        if kind not in KINDS:
+            raise ValueError(f"blob kind must be one of {KINDS}, got {kind!r}")
+        return self.version_dir(version) / f"{kind}{SUFFIX}"
+
+    def staging_dir(self) -> Path:
+        return Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
+
+    def commit(self, staging: Path, version: int) -> None:
+        """Rename a filled staging directory to `version`; TransportError if that version exists."""
+        _fsync_dir(staging)
+        try:
+            os.rename(staging, self.version_dir(version))
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise TransportError(f"cannot publish version {version} in {self.root}: {exc}") from exc
+        _fsync_dir(self.root)
+
+    def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
+        check_blobs(version, blobs)
+        if self.version_dir(version).exists():
+            raise TransportError(f"version {version} is already published in {self.root}")
+
+        def write() -> None:
+            staging = self.staging_dir()
+            try:
+                for kind, data in blobs.items():
+                    with open(staging / f"{kind}{SUFFIX}", "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            self.commit(staging, version)
+
+        with_timeout(write, self.timeout_s, f"publishing version {version} to {self.root}")
+
+    def versions(self) -> dict[int, list[str]]:
+        def scan() -> dict[int, list[str]]:
+            out = {}
+            for entry in os.scandir(self.root):
+                if entry.name.isdigit() and entry.is_dir():
+                    names = set(os.listdir(entry.path))
+                    out[int(entry.name)] = [k for k in KINDS if f"{k}{SUFFIX}" in names]
+            return out
+
+        return with_timeout(scan, self.timeout_s, f"listing {self.root}")
+
+    def fetch(self, version: int, kind: str) -> bytes:
+        path = self.blob_path(version, kind)
+
+        def read() -> bytes:
+            try:
+                return path.read_bytes()
+            except FileNotFoundError:
+                raise MissingBlob(f"no {kind} for version {version} in {self.root}") from None
+            except OSError as exc:
+                raise TransportError(f"reading {path}: {exc}") from exc
+
+        return with_timeout(read, self.timeout_s, f"reading {path}")
+
+    def remove(self, version: int) -> None:
+        def drop() -> None:
+            trash = self.root / f".trash-{version:010d}-{os.getpid()}-{threading.get_ident()}"
+            try:
+                os.rename(self.version_dir(version), trash)
+            except FileNotFoundError:
+                return
+            shutil.rmtree(trash, ignore_errors=True)
+
+        with_timeout(drop, self.timeout_s, f"removing version {version} from {self.root}")

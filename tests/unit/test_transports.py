@@ -1,0 +1,188 @@
+"""Weight transports: a version appears whole or not at all, blobs come back byte-identical,
+downloads resume after a broken connection, and every failure or stall ends in a clear TransportError."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from realtime_rl.deploy import (
+    FilesystemTransport, HttpTransport, MissingBlob, TransportError, create_weights_app,
+)
+from realtime_rl.deploy.transports.filesystem import with_timeout
+
+BLOBS = {"delta": b"d" * 1000 + bytes(range(256)), "snapshot": bytes(range(256)) * 300}
+
+
+def exercise(transport) -> None:
+    """The contract every transport keeps."""
+    assert transport.versions() == {}
+    transport.publish(3, BLOBS)
+    transport.publish(4, {"delta": b"four"})
+    assert transport.versions() == {3: ["delta", "snapshot"], 4: ["delta"]}
+    assert transport.fetch(3, "snapshot") == BLOBS["snapshot"]
+    assert transport.fetch(4, "delta") == b"four"
+    with pytest.raises(MissingBlob):
+        transport.fetch(4, "snapshot")
+    with pytest.raises(MissingBlob):
+        transport.fetch(99, "delta")
+    with pytest.raises(TransportError, match="already published"):
+        transport.publish(4, {"delta": b"again"})
+    assert transport.fetch(4, "delta") == b"four"
+    transport.remove(3)
+    transport.remove(3)
+    assert transport.versions() == {4: ["delta"]}
+    with pytest.raises(ValueError):
+        transport.publish(5, {"weights": b"x"})
+
+
+def test_filesystem_transport(tmp_path):
+    exercise(FilesystemTransport(tmp_path / "weights"))
+
+
+def test_filesystem_readers_never_see_a_half_published_version(tmp_path):
+    transport = FilesystemTransport(tmp_path)
+    staging = transport.staging_dir()
+    (staging / "delta.rtw").write_bytes(b"partial")
+    assert transport.versions() == {}           # staging directories are not versions
+    transport.commit(staging, 1)
+    assert transport.versions() == {1: ["delta"]} and not staging.exists()
+    seen, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            for v, kinds in transport.versions().items():
+                size = len(transport.fetch(v, "snapshot")) if "snapshot" in kinds else 0
+                seen.append((v, tuple(kinds), size))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for v in range(2, 30):
+        transport.publish(v, BLOBS)
+    stop.set()
+    t.join()
+    assert all(kinds == ("delta", "snapshot") and n == len(BLOBS["snapshot"])
+               for v, kinds, n in seen if v > 1)
+
+
+def test_a_stalled_call_times_out_with_a_clear_error():
+    with pytest.raises(TransportError, match="did not finish within 0.2 s"):
+        with_timeout(lambda: time.sleep(5), 0.2, "reading a hung mount")
+    with pytest.raises(KeyError):
+        with_timeout(lambda: {}["x"], 1.0, "a failing call")   # errors come back to the caller
+
+
+# ------------------------------------------------------------------------------------------------ http
+
+@pytest.fixture
+def http_store(tmp_path):
+    store = FilesystemTransport(tmp_path)
+    client = TestClient(create_weights_app(store, write_token="s3cret"))
+    return store, client
+
+
+def test_http_transport(http_store):
+    _, client = http_store
+    exercise(HttpTransport(client=client, token="s3cret", timeout_s=5))
+
+
+def test_http_serves_ranges_and_answers_bad_input_with_4xx(http_store):
+    store, client = http_store
+    store.publish(7, BLOBS)
+    r = client.get("/weights/7/snapshot", headers={"Range": "bytes=100-"})
+    assert r.status_code == 206 and r.content == BLOBS["snapshot"][100:]
+    assert r.headers["content-range"] == f"bytes 100-{len(BLOBS['snapshot']) - 1}/{len(BLOBS['snapshot'])}"
+    assert client.get("/weights/7/model").status_code == 422
+    assert client.get("/weights/8/delta").status_code == 404
+    assert client.put("/weights/9/delta", content=b"x").status_code == 401
+    wrong = {"Authorization": "Bearer wrong"}
+    assert client.put("/weights/9/delta", content=b"x", headers=wrong).status_code == 401
+    assert client.post("/weights/9/commit", headers={"Authorization": "Bearer s3cret"}).status_code == 400
+    readonly = TestClient(create_weights_app(store))
+    r = readonly.put("/weights/9/delta", content=b"x")
+    assert r.status_code == 403 and "read-only" in r.json()["detail"]
+    with pytest.raises(TransportError, match="HTTP 401"):
+        HttpTransport(client=client, token="wrong").publish(9, {"delta": b"x"})
+
+
+class BreakingStream(httpx.SyncByteStream):
+    """Sends `cut` bytes of the body, then fails like a dropped connection."""
+
+    def __init__(self, body: bytes, cut: int) -> None:
+        self.body, self.cut = body, cut
+
+    def __iter__(self):
+        yield self.body[: self.cut]
+        raise httpx.ReadError("connection reset by peer")
+
+
+def test_http_download_resumes_after_a_broken_connection():
+    body = bytes(range(256)) * 4000
+    ranges = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        start = int(request.headers.get("range", "bytes=0-")[6:-1])
+        ranges.append(start)
+        rest = body[start:]
+        headers = {"content-range": f"bytes {start}-{len(body) - 1}/{len(body)}"} if start else {}
+        cut = len(rest) if len(ranges) >= 3 else len(rest) // 3
+        return httpx.Response(206 if start else 200, headers={**headers, "content-length": str(len(rest))},
+                              stream=BreakingStream(rest, cut) if cut < len(rest) else httpx.ByteStream(rest))
+
+    client = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://weights")
+    assert HttpTransport(client=client).fetch(1, "snapshot") == body
+    assert ranges[0] == 0 and 0 < ranges[1] < ranges[2] < len(body)
+
+
+def test_http_gives_up_with_a_clear_error_when_the_server_keeps_failing():
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    client = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://weights")
+    transport = HttpTransport(client=client, timeout_s=0.1, max_resumes=2)
+    with pytest.raises(TransportError, match="gave up after 3 broken transfers.*ReadTimeout"):
+        transport.fetch(1, "delta")
+    assert len(calls) == 3
+    with pytest.raises(TransportError, match="ReadTimeout"):
+        transport.versions()
+
+
+def test_http_requests_carry_the_timeout():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions["timeout"])
+        return httpx.Response(200, json={"versions": {}})
+
+    client = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://weights")
+    HttpTransport(client=client, timeout_s=2.5).versions()
+    assert seen[0]["read"] == 2.5 and seen[0]["connect"] == 2.5
+
+
+# ------------------------------------------------------------------------------------------------- ray
+
+def test_ray_transport():
+    ray = pytest.importorskip("ray", reason="ray is an optional extra")
+    from realtime_rl.deploy import RayTransport
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        transport = RayTransport(name="test-weights", timeout_s=30)
+        exercise(transport)
+        again = RayTransport(name="test-weights", timeout_s=30)   # another handle finds the same store
+        assert again.versions() == {4: ["delta"]} and again.fetch(4, "delta") == b"four"
+        transport.close()
+        with pytest.raises(TransportError):
+            again.versions()
+    finally:
+        if started:
+            ray.shutdown()
