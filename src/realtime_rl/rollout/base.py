@@ -30,6 +30,7 @@ class RolloutBackend(ABC):
         self.seed = seed
         self._load = [0] * config.workers  # groups in flight per worker
         self._tokens = [0] * config.workers  # tokens each worker reported so far
+        self.last_publish = None  # realtime_rl.deploy.PublishStats of the newest publish
 
     @property
     def capacity(self) -> int:
@@ -64,7 +65,8 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """New weights for every worker; each applies them between decode steps."""
+        """New weights for every worker (as a lossless delta through the weight-sync path); each worker
+        verifies and rebuilds them beside its live weights and its engine swaps between decode steps."""
 
     @abstractmethod
     def close(self) -> None:

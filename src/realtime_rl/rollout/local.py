@@ -1,10 +1,12 @@
 """Rollout workers as local processes (multiprocessing, spawn): one engine and sandbox pool each.
 
-Messages are plain tuples on multiprocessing queues: to a worker ("weights", state, version),
-("job", GroupJob), ("stop",); from a worker ("ready", wid), ("group", wid, group_id, [episode bytes]),
-("error", wid, text). Episodes travel as episode_to_bytes blobs (no pickle of our objects across the
-boundary); weights as a dict of CPU tensors. A worker runs several groups at once on threads so its
-engine batch stays full; a newer weight message simply replaces a pending one in the engine.
+Messages are plain tuples on multiprocessing queues: to a worker ("weights", version), ("job", GroupJob),
+("stop",); from a worker ("ready", wid), ("group", wid, group_id, [episode bytes], tokens), ("error", wid,
+text). Episodes travel as episode_to_bytes blobs (no pickle of our objects across the boundary).
+Weights travel through the weight-sync path of `realtime_rl.deploy`: the trainer's WeightPublisher
+writes a verified lossless delta (and periodic snapshots) into run_dir/weights on the filesystem
+transport; each worker's WeightSubscriber follows the chain and hands the rebuilt state to its
+engine's hot swap. A worker runs several groups at once on threads so its engine batch stays full.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Mapping
@@ -21,15 +25,18 @@ from pathlib import Path
 import torch
 
 from realtime_rl.config import RolloutConfig
+from realtime_rl.deploy import FilesystemTransport, WeightPublisher, WeightSubscriber
 from realtime_rl.rollout.base import RolloutBackend, groups_per_worker
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
 
-def _worker_main(checkpoint_dir: str, config: RolloutConfig, worker_id: int, seed: int, group_size: int,
-                 inbox: mp.Queue, outbox: mp.Queue) -> None:
+def _worker_main(checkpoint_dir: str, weights_dir: str, config: RolloutConfig, worker_id: int, seed: int,
+                 group_size: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
     try:
         worker = RolloutWorker(checkpoint_dir, config, worker_id, seed)
+        subscriber = WeightSubscriber(FilesystemTransport(weights_dir, timeout_s=config.timeout_s),
+                                      apply=worker.set_weights)
     except BaseException:  # report why, then die: the orchestrator raises with this text
         outbox.put(("error", worker_id, traceback.format_exc()))
         return
@@ -56,7 +63,10 @@ def _worker_main(checkpoint_dir: str, config: RolloutConfig, worker_id: int, see
             if message[0] == "stop":
                 break
             if message[0] == "weights":
-                worker.set_weights(message[1], message[2])
+                try:
+                    subscriber.poll()  # verified and rebuilt beside the live weights, then swapped in
+                except BaseException:
+                    outbox.put(("error", worker_id, traceback.format_exc()))
             elif message[0] == "job":
                 groups.submit(run, message[1])
     finally:
@@ -68,8 +78,13 @@ def _worker_main(checkpoint_dir: str, config: RolloutConfig, worker_id: int, see
 
 
 class LocalBackend(RolloutBackend):
-    def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0) -> None:
+    def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0,
+                 weights_dir: Path | None = None) -> None:
         super().__init__(config, checkpoint_dir, group_size, seed)
+        self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rtrl-weights-"))
+        shutil.rmtree(self.weights_dir, ignore_errors=True)  # a fresh chain per run: snapshot first
+        self._publisher = WeightPublisher(FilesystemTransport(self.weights_dir, timeout_s=config.timeout_s),
+                                          dtype=None)  # lossless in the trainer's dtype
         self._ctx = mp.get_context("spawn")
         self._outbox: mp.Queue = self._ctx.Queue()
         self._inboxes: list[mp.Queue] = []
@@ -84,8 +99,8 @@ class LocalBackend(RolloutBackend):
         for wid in range(self.config.workers):
             inbox = self._ctx.Queue()
             proc = self._ctx.Process(target=_worker_main, name=f"rtrl-rollout-{wid}", daemon=True,
-                                     args=(str(self.checkpoint_dir), self.config, wid, self.seed, self.group_size,
-                                           inbox, self._outbox))
+                                     args=(str(self.checkpoint_dir), str(self.weights_dir), self.config, wid,
+                                           self.seed, self.group_size, inbox, self._outbox))
             proc.start()
             self._inboxes.append(inbox)
             self._procs.append(proc)
@@ -136,9 +151,9 @@ class LocalBackend(RolloutBackend):
                 return None
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        state = {k: v.detach().cpu() for k, v in state.items()}
+        self.last_publish = self._publisher.publish(state, version)
         for inbox in self._inboxes:
-            inbox.put(("weights", state, version))
+            inbox.put(("weights", version))
 
     def close(self) -> None:
         for inbox in self._inboxes:

@@ -40,7 +40,8 @@ def make_backend(config: TrainConfig, checkpoint_dir: Path) -> RolloutBackend:
         from realtime_rl.rollout.ray_actors import RayBackend
         return RayBackend(config.rollout, checkpoint_dir, config.rl.group_size, config.seed)
     from realtime_rl.rollout.local import LocalBackend
-    return LocalBackend(config.rollout, checkpoint_dir, config.rl.group_size, config.seed)
+    return LocalBackend(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
+                        weights_dir=Path(config.run_dir) / "weights")
 
 
 def resolve_base(config: TrainConfig) -> Path:
@@ -118,6 +119,9 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     "rollout/dropped_stale_groups": float(buffer.dropped),
                     "rollout/groups_ready": float(len(buffer.ready)),
                 }
+                if backend.last_publish is not None and backend.last_publish.ratio:
+                    metrics["sync/delta_ratio"] = backend.last_publish.ratio
+                    metrics["sync/publish_s"] = backend.last_publish.seconds
                 sink.log(metrics, trainer.version)
                 history.append(metrics)
                 progress.update(bar, completed=trainer.version,

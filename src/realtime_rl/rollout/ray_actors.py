@@ -1,8 +1,9 @@
 """Rollout workers as Ray actors: weights and trajectories travel through Ray's object store.
 
-The orchestrator puts each new weight version in the object store once (`ray.put`) and hands every
-actor the reference; a finished group comes back as the result of `run_group.remote(job)` (episode
-bytes, no pickle of our classes). Actors are threaded (max_concurrency) so several groups share one
+Weights go through `realtime_rl.deploy`'s RayTransport: the trainer's WeightPublisher puts each
+version's lossless delta (and periodic snapshots) into the object store through a named directory
+actor, and each worker's WeightSubscriber follows the chain into its engine's hot swap. A finished
+group comes back as the result of `run_group.remote(job)` (episode bytes, no pickle of our classes). Actors are threaded (max_concurrency) so several groups share one
 engine batch and a weight update is not stuck behind a running group. Connects to a running cluster
 if `ray.is_initialized()`, otherwise starts a local one with `ray.init(num_cpus=...)`.
 """
@@ -10,26 +11,32 @@ if `ray.is_initialized()`, otherwise starts a local one with `ray.init(num_cpus=
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from realtime_rl.config import RolloutConfig
+from realtime_rl.deploy import WeightPublisher, WeightSubscriber
 from realtime_rl.rollout.base import RolloutBackend, groups_per_worker
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
 
 class _Actor:
-    def __init__(self, checkpoint_dir: str, config: RolloutConfig, worker_id: int, seed: int) -> None:
+    def __init__(self, checkpoint_dir: str, config: RolloutConfig, worker_id: int, seed: int, weights: str) -> None:
+        from realtime_rl.deploy import RayTransport
+
         self.worker = RolloutWorker(checkpoint_dir, config, worker_id, seed)
+        self.subscriber = WeightSubscriber(RayTransport(weights, timeout_s=config.timeout_s),
+                                           apply=self.worker.set_weights)
 
     def ready(self) -> bool:
         return True
 
-    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.worker.set_weights(state, version)
+    def sync_weights(self) -> int | None:
+        return self.subscriber.poll()
 
     def run_group(self, job: GroupJob) -> tuple[list[bytes], int]:
         episodes = self.worker.run_group(job)
@@ -47,6 +54,7 @@ class RayBackend(RolloutBackend):
         self.ray = ray
         self._actors: list = []
         self._pending: dict = {}  # ObjectRef -> worker id
+        self._weights = f"rtrl-weights-{uuid.uuid4().hex[:12]}"  # this run's weight directory actor
 
     @property
     def in_flight(self) -> int:
@@ -57,7 +65,10 @@ class RayBackend(RolloutBackend):
         if not ray.is_initialized():
             ray.init(num_cpus=max(2, self.config.workers), include_dashboard=False, log_to_driver=False)
         actor_cls = ray.remote(_Actor).options(num_cpus=1, max_concurrency=groups_per_worker(self.config, self.group_size) + 2)
-        self._actors = [actor_cls.remote(str(self.checkpoint_dir), self.config, wid, self.seed)
+        from realtime_rl.deploy import RayTransport
+
+        self._publisher = WeightPublisher(RayTransport(self._weights, timeout_s=self.config.timeout_s), dtype=None)
+        self._actors = [actor_cls.remote(str(self.checkpoint_dir), self.config, wid, self.seed, self._weights)
                         for wid in range(self.config.workers)]
         ray.get([a.ready.remote() for a in self._actors], timeout=self.config.timeout_s)
         self.publish(state, version)
@@ -82,8 +93,8 @@ class RayBackend(RolloutBackend):
         return out
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        ref = self.ray.put({k: v.detach().cpu() for k, v in state.items()})
-        self.ray.get([a.set_weights.remote(ref, version) for a in self._actors], timeout=self.config.timeout_s)
+        self.last_publish = self._publisher.publish(state, version)
+        self.ray.get([a.sync_weights.remote() for a in self._actors], timeout=self.config.timeout_s)
 
     def close(self) -> None:
         for actor in self._actors:
