@@ -22,6 +22,8 @@ BENCHMARKS = {
     "engine": "decode tokens/s of our engine against transformers' generate (batch 1, 8, 32), capture cost, swap pause",
     "mismatch": "engine logprobs against the trainer's full-sequence forward on a tiny MoE, with and without router replay",
     "delta": "weight-delta ratio vs the peers' encodings and the entropy bound on real AdamW steps, codec speed, swap pause",
+    "learn": "held-out pass@1 of the default base model, then after the default RL recipe, and the RL wall time",
+    "async": "synchronous (staleness 0) against asynchronous RL: wall time for the same steps, trainer idle, pass@1",
 }
 
 
