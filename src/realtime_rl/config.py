@@ -257,6 +257,11 @@ class ServeConfig(StrictModel):
     """Torch device for the engine (cpu, cuda, cuda:1)."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Weights dtype; None keeps the checkpoint's."""
+    weights: str | None = None
+    """A weight store to follow (a directory of the filesystem transport, or the http(s) URL of a weights
+    server): each newly published version arrives as a verified lossless delta and is hot-swapped in."""
+    weights_poll_s: float = Field(2.0, gt=0, le=3600)
+    """How often the gateway checks the weight store for a new version."""
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

@@ -362,3 +362,42 @@ def test_metrics_count_requests_tokens_and_the_served_version(api, tokenizer):
     assert f"rtrl_serve_generated_tokens_total {float(tokens)}" in text
     assert "rtrl_serve_model_version 7.0" in text and "rtrl_serve_engine_running 0.0" in text
     assert 'rtrl_serve_request_duration_seconds_count{route="/v1/chat/completions"} 3.0' in text
+
+
+def test_the_gateway_follows_a_weight_store_and_rejects_a_corrupt_delta(tmp_path, tokenizer):
+    """The registry-to-gateway path: published versions arrive as verified deltas and are hot-swapped in;
+    a corrupted delta is rejected and the last good version keeps serving."""
+    import time
+
+    from realtime_rl.deploy import FilesystemTransport, WeightPublisher
+
+    model = random_model(tokenizer)
+    store = FilesystemTransport(tmp_path / "weights")
+    publisher = WeightPublisher(store, dtype=None, snapshot_every=100)
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    publisher.publish(state, 1)
+
+    def wait_for(engine, version):
+        deadline = time.monotonic() + 30
+        while engine.version != version:
+            assert time.monotonic() < deadline, f"gateway still on version {engine.version}, expected {version}"
+            time.sleep(0.02)
+
+    with gateway(tmp_path, tokenizer, model=model, weights=str(tmp_path / "weights"),
+                 weights_poll_s=0.05) as (client, _, engine):
+        wait_for(engine, 1)
+        state["lm_head.weight"][0, :5] += 1.0  # version 2 changes a few elements
+        publisher.publish(state, 2)
+        wait_for(engine, 2)
+        assert torch.equal(engine.engine.model.lm_head.weight, state["lm_head.weight"])
+        assert client.post("/v1/chat/completions", json=chat(max_tokens=4)).status_code == 200
+
+        state["lm_head.weight"][1, :5] += 1.0
+        publisher.publish(state, 3)
+        blob = store.blob_path(3, "delta")
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))  # bit rot in transit
+        time.sleep(0.5)
+        assert engine.version == 2  # rejected by checksum; version 2 keeps serving
+        assert client.post("/v1/chat/completions", json=chat(max_tokens=4)).status_code == 200

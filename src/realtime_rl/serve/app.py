@@ -6,13 +6,15 @@
 An engine or store passed in belongs to the caller (the app starts the engine's thread if needed and
 never stops or closes them); missing ones are built by the lifespan from the settings (the checkpoint;
 SQLite in run_dir/events.sqlite) and torn down with the app. The engine's own max_seq_len and
-max_batch bound requests.
+max_batch bound requests. With `settings.weights` the gateway follows a weight store (the deploy path:
+verified lossless deltas, hot-swapped between decode steps).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import torch
@@ -20,6 +22,7 @@ from fastapi import FastAPI
 
 from realtime_rl.collect import EventStore, open_event_store
 from realtime_rl.config import ServeConfig
+from realtime_rl.deploy import FilesystemTransport, HttpTransport, WeightSubscriber
 from realtime_rl.engine import AsyncEngine, Engine
 from realtime_rl.model import load_checkpoint
 from realtime_rl.serve.deps import ServeState
@@ -40,6 +43,27 @@ def build_engine(settings: ServeConfig) -> AsyncEngine:
     return AsyncEngine(engine, max_pending=settings.max_pending).start()
 
 
+def follow_weights(settings: ServeConfig, engine: AsyncEngine) -> Callable[[], None]:
+    """Follow settings.weights on a thread: every new version is fetched, verified, rebuilt beside the live
+    weights and swapped in between decode steps (requests in flight are paused, not dropped); a bad
+    delta is rejected and the old weights keep serving. Returns the function that stops following."""
+    if settings.weights.startswith(("http://", "https://")):
+        transport = HttpTransport(settings.weights)
+    else:
+        transport = FilesystemTransport(settings.weights)
+    subscriber = WeightSubscriber(transport, apply=engine.update_weights)
+    stop = threading.Event()
+    thread = threading.Thread(target=subscriber.run, args=(stop, settings.weights_poll_s), name="rtrl-weights",
+                              daemon=True)
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join(timeout=30)
+
+    return close
+
+
 def create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: EventStore | None = None) -> FastAPI:
     if engine is not None and engine.engine.tokenizer is None:
         raise ValueError("the engine has no tokenizer; the gateway renders and decodes text with it")
@@ -57,6 +81,8 @@ def create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: 
             if live_store is None:
                 live_store = open_event_store(settings.run_dir, settings.database_url)
                 stack.callback(live_store.close)
+            if settings.weights:
+                stack.callback(follow_weights(settings, live_engine))
             metrics.bind_engine(live_engine)
             app.state.serve = ServeState(settings, live_engine, live_store, live_engine.engine.tokenizer, metrics,
                                          int(time.time()))
