@@ -441,6 +441,8 @@ class DemoConfig(StrictModel):
     """Agent turns per held-out episode."""
     max_new_tokens: int = Field(160, ge=1, le=4096)
     """Tokens the policy may generate per turn."""
+    rl_steps: int = Field(2, ge=1, le=1000)
+    """Asynchronous RL steps after pre-training (a smoke-sized run; `rtrl train` runs the real thing)."""
 
 
 T = TypeVar("T", bound=BaseModel)

@@ -9,10 +9,13 @@ What it runs, in order, and says so:
    trainer will), and lets it attempt the held-out tasks through the multi-turn agent loop, its
    `run_tests` calls in the warm sandbox pool, graded with pristine tests in fresh sandboxes;
 4. replays one episode through the trainer's full-sequence forward with the engine's recorded MoE
-   routing and reports the logprob mismatch (what RL with router replay relies on).
+   routing and reports the logprob mismatch (what RL with router replay relies on);
+5. asynchronous RL, smoke-sized (`rtrl train`'s loop): a rollout worker process samples groups of
+   episodes on synthetic train tasks, the trainer takes GRPO steps with router replay within a
+   staleness bound, checkpoints, and publishes each version to the worker as a lossless weight delta.
 
 A few minutes of CPU do not make a coding agent: pass@1 here is expected to be 0. The real base model
-comes from `rtrl pretrain`; RL, weight-sync deltas and the real-time loop are issues 5-7.
+comes from `rtrl pretrain`, real RL from `rtrl train`; the real-time loop is issue 7.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from realtime_rl.config import AgentConfig, DemoConfig, PretrainConfig, SandboxConfig
+from realtime_rl.config import AgentConfig, DemoConfig, PretrainConfig, RLConfig, RolloutConfig, SandboxConfig, TrainConfig
 from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
 from realtime_rl.environments import Sandbox, WarmPool, generate_tasks, grade, load_tasks, run_episode
 from realtime_rl.model import load_checkpoint, sequence_logprobs
 from realtime_rl.monitor import JsonlSink
+from realtime_rl.rollout import train
 from realtime_rl.train import pretrain
 
 
@@ -97,6 +101,21 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     mismatch = _replay_mismatch(ckpt.model, episodes[0].segments[0])
     if mismatch is not None:
         report["rl/max_abs_logprob_diff_replay"] = mismatch
+
+    console.rule("5. asynchronous RL (smoke-sized): rollout worker, GRPO with router replay, delta weight sync")
+    rl = train(TrainConfig(
+        run_dir=run_dir / "rl", base_checkpoint=Path(result["checkpoint"]), seed=config.seed, steps=config.rl_steps,
+        max_staleness=1, rl=RLConfig(group_size=4, groups_per_step=2, lr=1e-4, malformed_penalty=0.5),
+        rollout=RolloutConfig(episodes_in_flight=8, max_difficulty=1, agent=agent)), show_progress=False)
+    last = rl["history"][-1] if rl["history"] else {}
+    report["rl/versions"] = rl["version"]
+    report["rl/reward_first_last"] = f"{rl['reward_first']:.2f} -> {last.get('train/reward_mean', 0.0):.2f}"
+    report["rl/staleness_max"] = max((h["train/staleness_max"] for h in rl["history"]), default=0.0)
+    report["rl/trainer_idle_fraction"] = rl["trainer_idle_fraction"]
+    report["rl/weight_delta_ratio"] = last.get("sync/delta_ratio", 0.0)
+    mismatches = [h["train/mismatch_k3"] for h in rl["history"] if "train/mismatch_k3" in h]
+    if mismatches:
+        report["rl/engine_trainer_k3"] = max(mismatches)
     report["demo/minutes"] = (time.perf_counter() - t0) / 60
 
     sink = JsonlSink(run_dir / "metrics.jsonl")
@@ -112,9 +131,9 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     console.print("Ran: synthetic tasks; a tokenizer and a corpus of real sandboxed episodes; pre-training with "
                   "checkpoints; the engine (continuous batching, a hot weight swap, per-token versions and routing); "
                   "the multi-turn agent loop with tools; grading with pristine tests in fresh bubblewrap sandboxes; "
-                  "router replay.")
+                  "router replay; asynchronous GRPO steps with a rollout worker, checkpoints and lossless weight "
+                  "deltas.")
     console.print("A smoke-sized model does not solve tasks (pass@1 ~ 0); `rtrl pretrain` builds the real base "
-                  "model. Not yet: RL training, the async pipeline, weight-sync deltas, the real-time loop "
-                  "(issues 5-7).")
+                  "model and `rtrl train` runs real RL. Not yet: the real-time loop (issue 7).")
     report["checkpoint_dir"] = result["checkpoint"]
     return report

@@ -284,7 +284,11 @@ class RLTrainer:
         with torch.no_grad():
             p = logp[target_mask].exp()
             entropy = -(p * logp[target_mask]).sum(-1).sum()
-            fresh = versions[:, 1:][target_mask] == self.version
+            # Rows whose every generated token came from the current weights: their whole context was then
+            # computed by them too (the engine drops cached prefixes at a swap), so any difference between
+            # the engine's logprobs and ours is numerical. A row that spanned a swap is off-policy instead.
+            row_fresh = torch.tensor([bool((seg.versions[seg.loss_mask] == self.version).all()) for seg, _ in micro])
+            fresh = row_fresh[:, None].expand_as(target_mask)[target_mask]
             recomputed, engine = prox_lp[target_mask][fresh], behav[:, 1:][target_mask][fresh]
             fresh_stats = (int(fresh.sum()), float(k3(engine, recomputed).sum()),
                            float((recomputed - engine).abs().max()) if fresh.any() else 0.0)
