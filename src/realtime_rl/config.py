@@ -274,7 +274,9 @@ class ServeConfig(StrictModel):
 
 
 class PretrainConfig(StrictModel):
-    """`rtrl pretrain`: continued pre-training of the default base model on generated agent episodes."""
+    """`rtrl pretrain`: continued pre-training of the default base model on generated agent episodes.
+
+    The defaults are configs/pretrain/default.toml, the default base model (a test checks they agree)."""
 
     run_dir: Path = Path("runs/pretrain")
     """Checkpoints (HF directories with trainer state), the corpus cache and metrics.jsonl."""
@@ -286,17 +288,21 @@ class PretrainConfig(StrictModel):
     """Architecture; vocab_size is set from the tokenizer."""
     tokenizer: TokenizerTrainConfig = Field(default_factory=lambda: TokenizerTrainConfig(vocab_size=4096))
     """Tokenizer training (on rendered episodes of the corpus tasks)."""
-    num_tasks: int = Field(4000, ge=1, le=10_000_000)
-    """Synthetic train tasks, one episode each."""
+    num_tasks: int = Field(8600, ge=1, le=10_000_000)
+    """Synthetic train tasks, one document each."""
+    episode_fraction: float = Field(0.07, ge=0.0, le=1.0)
+    """Share of the tasks run as whole scripted episodes in the sandbox (at least one when > 0); each other
+    task gives a first-turn document: the prompt, then write_file of the reference or a novice variant
+    (same expert_fraction), dense in supervised tokens and needing no sandbox."""
     max_difficulty: int = Field(2, ge=1, le=4)
     """Tasks cycle through difficulties 1..max_difficulty."""
-    expert_fraction: float = Field(0.6, ge=0.0, le=1.0)
+    expert_fraction: float = Field(0.7, ge=0.0, le=1.0)
     """Share of episodes that write the reference solution; the rest write a novice variant."""
-    fix_rate: float = Field(0.5, ge=0.0, le=1.0)
+    fix_rate: float = Field(0.8, ge=0.0, le=1.0)
     """Share of novice episodes that fix the bug after a failing test run."""
-    steps: int = Field(1500, ge=1, le=10_000_000)
+    steps: int = Field(1000, ge=1, le=10_000_000)
     """Optimizer steps."""
-    batch_size: int = Field(8, ge=1, le=4096)
+    batch_size: int = Field(16, ge=1, le=4096)
     """Sequences per step."""
     lr: float = Field(3e-3, gt=0, le=1.0)
     """Peak learning rate (AdamW)."""

@@ -1,5 +1,6 @@
-"""Continued pre-training: the loss falls on a tiny budget, and a run killed with SIGKILL resumes
-from its last checkpoint to exactly the weights of an uninterrupted run."""
+"""Continued pre-training: the loss falls on a tiny budget, a run killed with SIGKILL resumes from its
+last checkpoint to exactly the weights of an uninterrupted run, ensure_base_model reuses a model built
+from the same config, and the held-out eval runs a checkpoint through the agent loop."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from realtime_rl.config import ModelConfig, PretrainConfig, TokenizerTrainConfig
+from realtime_rl.config import AgentConfig, ModelConfig, PretrainConfig, TokenizerTrainConfig
 from realtime_rl.train import pretrain, prepare_corpus
-from realtime_rl.train.pretrain import batch_for_step, masked_next_token_loss
+from realtime_rl.train.base_eval import heldout_pass_at_1
+from realtime_rl.train.pretrain import batch_for_step, ensure_base_model, masked_next_token_loss
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")]
@@ -34,14 +36,19 @@ def tiny(run_dir, **overrides) -> PretrainConfig:
 
 
 def test_corpus_is_real_episodes_with_assistant_masks(tmp_path):
-    tokenizer, docs = prepare_corpus(tiny(tmp_path))
-    assert len(docs) == 40 and {d.expert for d in docs} == {True, False}
+    tokenizer, docs = prepare_corpus(tiny(tmp_path, num_tasks=50, episode_fraction=0.8))
+    assert len(docs) == 50 and {d.expert for d in docs} == {True, False}
     text = tokenizer.decode(docs[0].token_ids.tolist())
     assert text.startswith("<|im_start|>system") and "<tool_response>" in text
     masked = tokenizer.decode(docs[0].token_ids[docs[0].loss_mask].tolist())
     assert '"name": "write_file"' in masked and "<tool_response>" not in masked
+    assert '"name": "submit"' in masked and '\\"\\"\\"' not in masked  # solutions carry no docstring
+    novice_fixed = [d for d in docs[:40] if not d.expert and tokenizer.decode(d.token_ids.tolist()).count("write_file") > 2]
+    assert novice_fixed, "some novice episodes fix their bug after the failing test run"
+    first_turns = docs[40:]  # the other tasks' documents: the prompt, then one write_file turn
+    assert all("<tool_response>" not in tokenizer.decode(d.token_ids.tolist()) for d in first_turns)
     # Cached: a second call reads the same corpus back.
-    _, again = prepare_corpus(tiny(tmp_path))
+    _, again = prepare_corpus(tiny(tmp_path, num_tasks=50, episode_fraction=0.8))
     assert all((a.token_ids == b.token_ids).all() for a, b in zip(docs, again))
 
 
@@ -54,9 +61,14 @@ def test_loss_falls(tmp_path):
     trained = load_checkpoint(result["checkpoint"]).model
     fresh = load_checkpoint(result["checkpoint"]).model
     fresh.reset_parameters(seed=0)
-    ids, mask = batch_for_step(docs, 10_000, 8, seed=1, pad_id=tokenizer.pad_token_id)
+    micro = batch_for_step(docs, 10_000, 8, seed=1, pad_id=tokenizer.pad_token_id)
+    targets = sum(int(mask[:, 1:].sum()) for _, mask in micro)
+
+    def loss(model):
+        return sum(masked_next_token_loss(model, ids, mask, reduction="sum") for ids, mask in micro) / targets
+
     with torch.no_grad():
-        assert masked_next_token_loss(trained, ids, mask) < 0.7 * masked_next_token_loss(fresh, ids, mask)
+        assert loss(trained) < 0.7 * loss(fresh)
 
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
@@ -88,3 +100,25 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     a = load_file(whole / "checkpoints" / "step-0000024" / "model.safetensors")
     b = load_file(killed / "checkpoints" / "step-0000024" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ensure_base_model_reuses_a_model_built_from_the_same_config(tmp_path):
+    config = tiny(tmp_path, steps=6, checkpoint_every=6)
+    first = ensure_base_model(config, show_progress=False)
+    assert first == tmp_path / "checkpoints" / "step-0000006"
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = ensure_base_model(config.model_copy(update={"log_every": 1, "threads": 2}), show_progress=False)
+    assert again == first and (first / "model.safetensors").stat().st_mtime_ns == stamp  # not retrained
+    with pytest.raises(ValueError, match="another config"):
+        ensure_base_model(config.model_copy(update={"steps": 9}), show_progress=False)
+
+
+def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
+    checkpoint = ensure_base_model(tiny(tmp_path, steps=6, checkpoint_every=6), show_progress=False)
+    agent = AgentConfig(max_turns=2, max_new_tokens=24, summary_trigger_tokens=3072, max_context_tokens=4096,
+                        max_summaries=0)
+    report = heldout_pass_at_1(checkpoint, num_tasks=4, max_difficulty=2, agent=agent, concurrency=4)
+    assert report["tasks"] == 4 and set(report["by_difficulty"]) == {1, 2}
+    assert sum(report["ended_by"].values()) == 4 and 1 <= report["mean_turns"] <= 2
+    assert 0.0 <= report["ci95"][0] <= report["pass_at_1"] <= report["ci95"][1] <= 1.0
+    assert all(t["task_id"].startswith("syn-heldout-") for t in report["per_task"])

@@ -7,14 +7,8 @@ Public API:
 """
 
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, policy_loss
-from realtime_rl.train.pretrain import latest_checkpoint, prepare_corpus, pretrain
+from realtime_rl.train.pretrain import ensure_base_model, latest_checkpoint, prepare_corpus, pretrain
 from realtime_rl.train.rl import RLTrainer, episode_reward, staleness
-
-try:  # lands with the base-model recipe
-    from realtime_rl.train.pretrain import ensure_base_model
-except ImportError:  # pragma: no cover
-    def ensure_base_model(config):  # type: ignore[no-redef]
-        raise ValueError("no default base model recipe yet: pass base_checkpoint")
 
 __all__ = ["LossConfig", "RLTrainer", "ensure_base_model", "episode_reward", "group_advantages", "k3",
            "latest_checkpoint", "policy_loss", "prepare_corpus", "pretrain", "staleness"]

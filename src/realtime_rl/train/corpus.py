@@ -1,35 +1,51 @@
 """The continued-pre-training corpus: agent episodes on synthetic train tasks, as token sequences.
 
-Each document is a real episode: a scripted policy drives the real agent loop (the same prompt,
-tools, observations and token layout the policy will see later) against the real sandbox, writing
-either the task's reference solution (expert) or one of its novice variants (novice), running the
-tests, and then submitting or (sometimes) fixing the novice bug first:
+Two kinds of document, both real agent-loop token sequences (the same prompt, tools, observations and
+token layout the policy will see later):
 
-    expert   write_file(reference) -> run_tests -> submit
-    novice   write_file(buggy) -> run_tests -> [write_file(reference) -> run_tests ->] submit
+    episode  a scripted policy drives the whole loop against the real sandbox, writing the task's
+             reference solution (expert) or one of its novice variants (novice), running the tests,
+             then submitting or (sometimes) fixing the novice bug first:
+                 expert   write_file(reference) -> run_tests -> submit
+                 novice   write_file(buggy) -> run_tests -> [write_file(reference) -> run_tests ->] submit
+    write    the first turn only: the task prompt, then write_file(reference or novice variant). These
+             are dense in supervised tokens and teach the mapping from English stages to code lines;
+             they need no sandbox, so many more tasks fit in the same budget.
 
-The loss mask marks the assistant tokens, so pre-training learns to act, not to predict observations.
-The expert fraction sets how good the base model is: RL later sharpens it toward the expert.
-Only the train split is used; held-out structures never appear.
+Solutions are written without the stub's docstring (it restates the instructions: tokens to generate
+that no test checks). The loss mask marks the assistant tokens, so pre-training learns to act, not to
+predict observations. The expert fraction sets how good the base model is: RL later sharpens it toward
+the expert. Only the train split is used; held-out structures never appear.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from realtime_rl.config import AgentConfig
-from realtime_rl.environments import WarmPool, generate_task, load_task, run_episode
+from realtime_rl.environments import SyntheticTask, WarmPool, generate_task, run_episode
 from realtime_rl.environments.agent_loop import SYSTEM_PROMPT, task_prompt
 from realtime_rl.environments.policies import ScriptedPolicy
+from realtime_rl.environments.synthetic_ops import NAME_STYLES, OPS
 from realtime_rl.environments.tasks import Task
 from realtime_rl.environments.tools import TOOL_SCHEMAS
 from realtime_rl.model import Tokenizer, render_messages
+
+CORPUS_FORMAT = 3
+"""Bumped whenever the documents change for the same config (the corpus cache key includes it)."""
+RENAME_FRACTION = 0.5
+"""Share of tasks whose function gets a random name (see `renamed`)."""
+NAME_WORDS = tuple(op.word for op in OPS)
+SCRIPT_AGENT = AgentConfig(max_turns=8, max_new_tokens=4096, summary_trigger_tokens=65_536,
+                           max_context_tokens=131_072, max_summaries=0)
+_DOCSTRING = re.compile(r'\n[ \t]+""".*?"""', re.S)
 
 
 @dataclass
@@ -45,25 +61,118 @@ def _call(name: str, **arguments: str) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
+def without_docstring(source: str) -> str:
+    """The module with the function's docstring removed (the generated solutions have exactly one)."""
+    return _DOCSTRING.sub("", source, count=1)
+
+
+def commented(source: str, missing_stage: int | None = None, instructions: str = "") -> str:
+    """The module with its docstring turned into one comment per stage, each above the stage's line.
+
+    The docstring of a generated solution lists the stages in the instructions' words (", then "
+    between them, no stage phrase holds one). Writing each stage as a comment first makes every
+    constant a short copy: instructions -> comment (the same words), comment -> code (the line below).
+    A comment starts with a capital where the instructions write the step so (a numbered list), so
+    that it is the instructions' text exactly. A novice variant that dropped a stage's line
+    (`missing_stage`, 0-based) keeps its comment.
+    """
+    lines = source.splitlines()
+    end = next(i for i in range(1, len(lines)) if lines[i].rstrip().endswith('"""'))
+    summary = " ".join(line.strip() for line in lines[1:end + 1]).strip('"')
+    steps = summary.rsplit("; return the resulting ", 1)[0].split(", then ")
+    body = lines[end + 1:]
+    if len(body) not in (len(steps), len(steps) - 1) or (len(body) < len(steps) and missing_stage is None):
+        return without_docstring(source)
+    out, code = [lines[0]], iter(body)
+    flat = " ".join(instructions.split())
+    for i, step in enumerate(steps):
+        step = step[:1].lower() + step[1:]
+        if step[:1].upper() + step[1:] in flat:
+            step = step[:1].upper() + step[1:]
+        out.append(f"    # {step}")
+        if len(body) == len(steps) or i != missing_stage:
+            out.append(next(code))
+    return "\n".join(out) + "\n"
+
+
+def _solution(task: Task, expert: bool, rng: random.Random) -> str:
+    """What the scripted agent writes: the reference, or one of the novice variants, with stage comments."""
+    if expert or not task.novice_files:
+        return commented(task.reference_solution()[task.solution_files[0]], instructions=task.instructions)
+    novice = rng.choice(task.novice_files)
+    bug = next((b for b in task.metadata.get("novice_bugs", []) if b["file"] == novice), {})
+    missing = bug["stage"] - 1 if bug.get("kind") == "missing_step" else None
+    return commented(task.read(novice), missing, task.instructions)
+
+
 def episode_script(task: Task, expert: bool, fix_rate: float, rng: random.Random) -> list[str]:
     """The assistant turns of one expert or novice episode."""
     path = task.solution_files[0]
-    reference = task.reference_solution()[path]
+    reference = _solution(task, True, rng)
     if expert or not task.novice_files:
         return [_call("write_file", path=path, content=reference), _call("run_tests"), _call("submit")]
-    buggy = task.read(rng.choice(task.novice_files))
-    script = [_call("write_file", path=path, content=buggy), _call("run_tests")]
+    script = [_call("write_file", path=path, content=_solution(task, False, rng)), _call("run_tests")]
     if rng.random() < fix_rate:
         script += [_call("write_file", path=path, content=reference), _call("run_tests")]
     return script + [_call("submit")]
 
 
-def synthetic_tasks(root: Path, count: int, max_difficulty: int, seed: int, start: int = 0) -> Iterator[Task]:
-    """Train-split tasks written under root (difficulty cycles 1..max_difficulty), loaded back."""
+@dataclass(frozen=True)
+class MemoryTask(Task):
+    """A generated task read from memory: the corpus needs tens of thousands, and writing each as a
+    directory costs more than generating it."""
+
+    files: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @classmethod
+    def of(cls, synthetic: SyntheticTask) -> MemoryTask:
+        listed = json.loads(synthetic.files[".meta/config.json"])["files"]
+        return cls(task_id=synthetic.slug, path=Path(synthetic.slug),
+                   instructions=synthetic.files[".docs/instructions.md"],
+                   solution_files=tuple(listed["solution"]), test_files=tuple(listed["test"]),
+                   example_files=tuple(listed["example"]), hidden_test_files=tuple(listed.get("hidden_test", [])),
+                   novice_files=tuple(listed.get("novice", [])), metadata=synthetic.metadata, files=synthetic.files)
+
+    def read(self, rel: str) -> str:
+        return self.files[rel]
+
+    def workspace(self) -> dict[str, str]:
+        return {rel: text for rel, text in sorted(self.files.items()) if "/" not in rel and not rel.startswith(".")}
+
+
+def renamed(task: SyntheticTask, name: str) -> SyntheticTask:
+    """The same task with its function (and module, and test files) called `name`.
+
+    A generated function's name is a function of its program's structure, so a small model learns to
+    recall names instead of reading them, and on held-out structures it recalls a training name. Tasks
+    with random names (random words of the same vocabulary) make copying the name from the prompt the
+    only way to get it right."""
+    old = task.metadata["function"]
+    identifier = re.compile(rf"(?<![\w.]){re.escape(old)}(?=\(|\.py\b|_test\b|_hidden_test\b| import\b|$)", re.M)
+    title = re.compile(rf"^# {re.escape(old.replace('_', ' ').capitalize())}$", re.M)
+    files = {}
+    for rel, text in task.files.items():
+        text = identifier.sub(name, text)
+        if rel == ".docs/instructions.md":
+            text = title.sub(f"# {name.replace('_', ' ').capitalize()}", text, count=1)
+        files[identifier.sub(name, rel)] = text
+    config = json.loads(files[".meta/config.json"])
+    config["rtrl"]["function"] = name
+    files[".meta/config.json"] = json.dumps(config, indent=2) + "\n"
+    return SyntheticTask(task.slug, files, config["rtrl"])
+
+
+def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0) -> Iterator[Task]:
+    """Train-split tasks start..start+count-1 (difficulty cycles 1..max_difficulty), in memory; a
+    RENAME_FRACTION of them renamed at random."""
     for i in range(start, start + count):
         difficulty = 1 + i % max_difficulty
-        path = generate_task(i // max_difficulty, "train", seed, difficulty=difficulty).write(root)
-        yield load_task(path)
+        task = generate_task(i // max_difficulty, "train", seed, difficulty=difficulty)
+        rng = random.Random(f"rename/{seed}/{i}")
+        if rng.random() < RENAME_FRACTION:
+            words = rng.sample(NAME_WORDS, rng.randint(1, 3))
+            task = renamed(task, rng.choice(NAME_STYLES).format("_".join(words)))
+        yield MemoryTask.of(task)
 
 
 def tokenizer_texts(tasks: list[Task], rng: random.Random) -> Iterator[str]:
@@ -84,13 +193,41 @@ def build_documents(tasks: list[Task], tokenizer: Tokenizer, pool: WarmPool, exp
                     fix_rate: float, seed: int) -> list[Document]:
     """Run one scripted episode per task through the real loop and sandbox; keep its tokens and mask."""
     rng = random.Random(seed)
-    agent = AgentConfig(max_turns=8, max_new_tokens=4096, summary_trigger_tokens=65_536,
-                        max_context_tokens=131_072, max_summaries=0)
     docs = []
     for task in tasks:
         expert = rng.random() < expert_fraction
         policy = ScriptedPolicy(tokenizer, episode_script(task, expert, fix_rate, rng))
-        episode = run_episode(policy, tokenizer, task, pool, agent).episode
+        episode = run_episode(policy, tokenizer, task, pool, SCRIPT_AGENT).episode
         for seg in episode.segments:
             docs.append(Document(seg.token_ids.astype(np.int32), seg.loss_mask.copy(), expert))
     return docs
+
+
+def build_write_documents(tasks: list[Task], tokenizer: Tokenizer, expert_fraction: float,
+                          seed: int) -> list[Document]:
+    """One first-turn document per task: the loop's prompt, then write_file of the reference (expert) or a
+    novice variant, cut after the assistant's turn. No test runs, so no sandbox."""
+    rng = random.Random(seed)
+    docs = []
+    for task in tasks:
+        expert = rng.random() < expert_fraction
+        turn = _call("write_file", path=task.solution_files[0], content=_solution(task, expert, rng))
+        episode = run_episode(ScriptedPolicy(tokenizer, [turn]), tokenizer, task, None,
+                              SCRIPT_AGENT.model_copy(update={"max_turns": 1})).episode
+        seg = episode.segments[0]
+        end = int(np.flatnonzero(seg.loss_mask)[-1]) + 1
+        docs.append(Document(seg.token_ids[:end].astype(np.int32), seg.loss_mask[:end].copy(), expert))
+    return docs
+
+
+def shared_prefix_length(docs: list[Document], limit: int) -> int:
+    """Tokens every document starts with (the system prompt and tool schemas), at most `limit`, and never
+    into a masked token."""
+    first = docs[0].token_ids[:limit]
+    n = len(first)
+    for d in docs[1:]:
+        m = min(n, len(d.token_ids))
+        differ = np.flatnonzero(d.token_ids[:m] != first[:m])
+        n = int(differ[0]) if len(differ) else m
+    masked = [int(np.flatnonzero(d.loss_mask)[0]) for d in docs if d.loss_mask.any()]
+    return min([n, *masked])

@@ -1,12 +1,21 @@
 """`rtrl pretrain`: continued pre-training of the default base model on generated agent episodes.
 
     result = pretrain(PretrainConfig())      # runs/pretrain/checkpoints/step-000250, ..., final
+    path = ensure_base_model(config)          # the final checkpoint, trained only if not built yet
 
 One loop, top to bottom: build (or load the cached) tokenizer and corpus; build the model; for each
 step sample a batch (deterministically from the step number, so a resumed run sees exactly the batches
 an uninterrupted one would), masked next-token loss on the policy's tokens, AdamW with warmup and
 cosine decay, gradient clipping; checkpoint every `checkpoint_every` steps as a Hugging Face directory
-plus `trainer_state.pt` (optimizer, step), written to a temporary name and renamed.
+plus `trainer_state.pt` (optimizer, step) and `pretrain.json` (the config and its hash), written to a
+temporary name and renamed.
+
+Every document starts with the same system prompt and tool schemas (~700 tokens, most of an episode).
+Each step computes that shared prefix's keys and values once, without gradient, and runs the batch's
+suffixes on top of it through the KV cache: the suffixes' logits are exactly those of the full
+sequences, the prefix just passes no gradient (it carries no task information, so there is nothing in
+it to learn to read differently). The suffixes are sorted by length and cut into micro-batches of at
+most MICRO_BATCH_TOKENS, each padded to its own longest, so little compute goes to padding.
 
 Not here: RL (rl.py), data parallelism, mixed precision on CPU.
 """
@@ -31,19 +40,40 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from realtime_rl.config import PretrainConfig, SandboxConfig
 from realtime_rl.environments import WarmPool
-from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
+from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
-from realtime_rl.train.corpus import Document, build_documents, synthetic_tasks, tokenizer_texts
+from realtime_rl.train.corpus import (
+    CORPUS_FORMAT, Document, build_documents, build_write_documents, shared_prefix_length, synthetic_tasks, tokenizer_texts,
+)
+
+MICRO_BATCH_TOKENS = 4096
+"""A step's batch, sorted by length, is cut into micro-batches of at most this many (padded) tokens."""
+TOKENIZER_TASKS = 2000
+"""Tasks whose rendered episodes train the tokenizer (more add no merges worth having)."""
+CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "fix_rate", "tokenizer")
+RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
+"""Fields that do not change the weights a run ends with."""
+
+
+def _hash(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _corpus_key(config: PretrainConfig) -> str:
-    fields = {k: getattr(config, k) for k in ("seed", "num_tasks", "max_difficulty", "expert_fraction", "fix_rate")}
-    fields["tokenizer"] = config.tokenizer.model_dump()
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    fields = {k: v for k, v in config.model_dump(mode="json").items() if k in CORPUS_FIELDS}
+    return _hash({**fields, "format": CORPUS_FORMAT})
+
+
+def config_hash(config: PretrainConfig) -> str:
+    """Identifies the model a config builds: every field except where and how verbosely it runs (and
+    the corpus format)."""
+    fields = {k: v for k, v in config.model_dump(mode="json").items() if k not in RUN_ONLY_FIELDS}
+    return _hash({**fields, "corpus_format": CORPUS_FORMAT})
 
 
 def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
-    """Tokenizer + documents, cached under run_dir/corpus-<hash of the corpus settings>."""
+    """Tokenizer + documents (episodes, then first-turn documents), cached under
+    run_dir/corpus-<hash of the corpus settings>."""
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     cache = Path(config.run_dir) / f"corpus-{_corpus_key(config)}"
     if (cache / "docs.npz").is_file() and (cache / "tokenizer.json").is_file():
@@ -54,11 +84,12 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
             data["expert"])]
         return tokenizer, docs
     rng = random.Random(config.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        tasks = list(synthetic_tasks(Path(tmp), config.num_tasks, config.max_difficulty, config.seed))
-        tokenizer = Tokenizer.train(tokenizer_texts(tasks, rng), vocab_size=config.tokenizer.vocab_size)
-        with WarmPool(SandboxConfig(pool_size=2)) as pool:
-            docs = build_documents(tasks, tokenizer, pool, config.expert_fraction, config.fix_rate, config.seed)
+    tasks = list(synthetic_tasks(config.num_tasks, config.max_difficulty, config.seed))
+    episodes = max(1, round(config.episode_fraction * len(tasks))) if config.episode_fraction > 0 else 0
+    tokenizer = Tokenizer.train(tokenizer_texts(tasks[:TOKENIZER_TASKS], rng), vocab_size=config.tokenizer.vocab_size)
+    with WarmPool(SandboxConfig(pool_size=2)) as pool:
+        docs = build_documents(tasks[:episodes], tokenizer, pool, config.expert_fraction, config.fix_rate, config.seed)
+    docs += build_write_documents(tasks[episodes:], tokenizer, config.expert_fraction, config.seed + 1)
     staging = Path(tempfile.mkdtemp(dir=config.run_dir, prefix=".corpus-"))
     tokenizer.save(staging)
     lengths = np.array([len(d.token_ids) for d in docs])
@@ -77,44 +108,83 @@ def lr_at(step: int, config: PretrainConfig) -> float:
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
 
 
-def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, pad_id: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, T], loss mask [B, T]) for a step: a function of (seed, step) only, so resumes replay it."""
+def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, pad_id: int, prefix_len: int = 0
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Micro-batches (ids [b, T], loss mask [b, T]) of the documents' tokens after `prefix_len`, for a step:
+    a function of (seed, step) only, so resumes replay it."""
     rng = np.random.default_rng([seed, step])
     picks = rng.choice(len(docs), size=batch_size, replace=len(docs) < batch_size)
-    T = max(len(docs[i].token_ids) for i in picks)
-    ids = torch.full((batch_size, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((batch_size, T), dtype=torch.bool)
-    for b, i in enumerate(picks):
-        n = len(docs[i].token_ids)
-        ids[b, :n] = torch.from_numpy(docs[i].token_ids.astype(np.int64))
-        mask[b, :n] = torch.from_numpy(docs[i].loss_mask)
-    return ids, mask
+    picks = sorted(picks.tolist(), key=lambda i: (len(docs[i].token_ids), i))
+    chunks: list[list[int]] = [[]]
+    for i in picks:  # ascending length: a chunk's padded size is its count times its last length
+        if chunks[-1] and (len(chunks[-1]) + 1) * (len(docs[i].token_ids) - prefix_len) > MICRO_BATCH_TOKENS:
+            chunks.append([])
+        chunks[-1].append(i)
+    out = []
+    for chunk in chunks:
+        T = max(len(docs[i].token_ids) for i in chunk) - prefix_len
+        ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), T), dtype=torch.bool)
+        for b, i in enumerate(chunk):
+            n = len(docs[i].token_ids) - prefix_len
+            ids[b, :n] = torch.from_numpy(docs[i].token_ids[prefix_len:].astype(np.int64))
+            mask[b, :n] = torch.from_numpy(docs[i].loss_mask[prefix_len:])
+        out.append((ids, mask))
+    return out
 
 
-def masked_next_token_loss(model: Qwen3ForCausalLM, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting each masked token from its prefix."""
-    logits = model(ids_BT[:, :-1]).logits_BTV
+@torch.no_grad()
+def prefix_cache(model: Qwen3ForCausalLM, prefix_ids: torch.Tensor) -> KVCache:
+    """Keys and values of the shared prefix, one slot, no gradient."""
+    cache = KVCache(model.config, 1, max(1, len(prefix_ids)))
+    if len(prefix_ids):
+        model(prefix_ids[None], torch.arange(len(prefix_ids))[None], kv_cache=cache, cache_slots=slice(0, 1))
+    return cache
+
+
+def masked_next_token_loss(model: Qwen3ForCausalLM, ids_BT: torch.Tensor, mask_BT: torch.Tensor,
+                           prefix: KVCache | None = None, prefix_len: int = 0, reduction: str = "mean"
+                           ) -> torch.Tensor:
+    """Cross-entropy of predicting each masked token from everything before it, the prefix included
+    (mean, or sum for accumulating micro-batches)."""
+    B, T = ids_BT.shape
+    if prefix_len == 0:
+        logits = model(ids_BT[:, :-1]).logits_BTV
+    else:
+        assert prefix is not None
+        cache = KVCache(model.config, B, prefix_len + T - 1)
+        for k, v, k0, v0 in zip(cache.k_LSPHD, cache.v_LSPHD, prefix.k_LSPHD, prefix.v_LSPHD):
+            k[:, :prefix_len] = k0[:1, :prefix_len]
+            v[:, :prefix_len] = v0[:1, :prefix_len]
+        positions = torch.arange(prefix_len, prefix_len + T - 1).expand(B, T - 1)
+        logits = model(ids_BT[:, :-1], positions, kv_cache=cache, cache_slots=slice(0, B)).logits_BTV
     target, keep = ids_BT[:, 1:], mask_BT[:, 1:]
-    return F.cross_entropy(logits[keep].float(), target[keep])
+    return F.cross_entropy(logits[keep].float(), target[keep], reduction=reduction)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
+    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*"))
     return ckpts[-1] if ckpts else None
 
 
 def _save(run_dir: Path, step: int, model: Qwen3ForCausalLM, tokenizer: Tokenizer,
-          optimizer: torch.optim.Optimizer) -> Path:
+          optimizer: torch.optim.Optimizer, config: PretrainConfig) -> Path:
     final = run_dir / "checkpoints" / f"step-{step:07d}"
     staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=".ckpt-"))
     save_checkpoint(staging, model, tokenizer)
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, staging / "trainer_state.pt")
+    (staging / "pretrain.json").write_text(json.dumps(
+        {"config_hash": config_hash(config), "step": step, "config": config.model_dump(mode="json")}, indent=2))
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
     return final
+
+
+def _built_by(checkpoint: Path) -> str | None:
+    meta = checkpoint / "pretrain.json"
+    return json.loads(meta.read_text())["config_hash"] if meta.is_file() else None
 
 
 def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, Any]:
@@ -123,11 +193,16 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
     if config.threads:
         torch.set_num_threads(config.threads)
     t_start = time.perf_counter()
-    tokenizer, docs = prepare_corpus(config)
-    corpus_s = time.perf_counter() - t_start
-
     start_step = 0
     resume_from = latest_checkpoint(run_dir) if config.resume else None
+    if resume_from is not None and _built_by(resume_from) != config_hash(config):
+        raise ValueError(f"{resume_from} was built from another config (hash {_built_by(resume_from)}, this one is "
+                         f"{config_hash(config)}): use another run_dir, or set resume=false to start over")
+    tokenizer, docs = prepare_corpus(config)
+    corpus_s = time.perf_counter() - t_start
+    prefix_len = shared_prefix_length(docs, limit=4096)
+    prefix_ids = torch.from_numpy(docs[0].token_ids[:prefix_len].astype(np.int64))
+
     if resume_from is not None:
         model = load_checkpoint(resume_from, dtype=torch.float32).model
         state = torch.load(resume_from / "trainer_state.pt", weights_only=True)
@@ -151,28 +226,45 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, disable=not show_progress) as progress:
         bar = progress.add_task("pretrain", total=config.steps, completed=start_step, info="")
-        window_tokens, window_t0 = 0, time.perf_counter()
+        window_steps, window_tokens, window_loss, window_t0 = 0, 0, 0.0, time.perf_counter()
         for step in range(start_step, config.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, config)
-            ids, mask = batch_for_step(docs, step, config.batch_size, config.seed, tokenizer.pad_token_id)
-            loss = masked_next_token_loss(model, ids, mask)
+            micro = batch_for_step(docs, step, config.batch_size, config.seed, tokenizer.pad_token_id, prefix_len)
+            prefix = prefix_cache(model, prefix_ids)
+            targets = sum(int(mask[:, 1:].sum()) for _, mask in micro)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            step_loss = 0.0
+            for ids, mask in micro:
+                loss = masked_next_token_loss(model, ids, mask, prefix, prefix_len, reduction="sum") / targets
+                loss.backward()
+                step_loss += loss.item()
+                window_tokens += int((ids != tokenizer.pad_token_id).sum())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
-            window_tokens += ids.numel()
+            window_loss += step_loss
+            window_steps += 1
             if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                 elapsed = time.perf_counter() - window_t0
-                last = {"pretrain/loss": loss.item(), "pretrain/grad_norm": grad_norm.item(),
-                        "pretrain/lr": lr_at(step, config), "pretrain/tokens_per_s": window_tokens / elapsed}
+                last = {"pretrain/loss": window_loss / window_steps, "pretrain/grad_norm": grad_norm.item(),
+                        "pretrain/lr": lr_at(step, config), "pretrain/tokens_per_s": window_tokens / elapsed,
+                        "pretrain/minutes": (time.perf_counter() - t_start) / 60}
                 sink.log(last, step + 1)
-                progress.update(bar, info=f"loss {loss.item():.3f}")
-                window_tokens, window_t0 = 0, time.perf_counter()
+                progress.update(bar, info=f"loss {last['pretrain/loss']:.3f}")
+                window_steps, window_tokens, window_loss, window_t0 = 0, 0, 0.0, time.perf_counter()
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                _save(run_dir, step + 1, model, tokenizer, optimizer)
+                _save(run_dir, step + 1, model, tokenizer, optimizer, config)
             progress.update(bar, completed=step + 1)
     sink.close()
     final = latest_checkpoint(run_dir)
-    return {"checkpoint": str(final), "steps": config.steps, "documents": len(docs),
+    return {"checkpoint": str(final), "steps": config.steps, "documents": len(docs), "prefix_tokens": prefix_len,
             "corpus_s": corpus_s, "minutes": (time.perf_counter() - t_start) / 60, **last}
+
+
+def ensure_base_model(config: PretrainConfig, show_progress: bool = True) -> Path:
+    """The final checkpoint of `config` under its run_dir: reused when one built from an identical config
+    (same config_hash) is there, trained (or resumed) otherwise."""
+    final = Path(config.run_dir) / "checkpoints" / f"step-{config.steps:07d}"
+    if final.is_dir() and _built_by(final) == config_hash(config):
+        return final
+    return Path(pretrain(config, show_progress)["checkpoint"])

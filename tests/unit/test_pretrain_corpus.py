@@ -1,0 +1,181 @@
+"""The pre-training corpus and batches, without a sandbox: first-turn documents are exactly the agent
+loop's tokens, solutions lose only their docstring, the shared-prefix loss equals the full-sequence loss,
+batches replay from the step number, and the config hash tells models apart."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from realtime_rl.config import ModelConfig, PretrainConfig, load_config
+from realtime_rl.environments import generate_task, load_task
+from realtime_rl.environments.synthetic import structure_split
+from realtime_rl.model import Qwen3ForCausalLM, Tokenizer
+from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
+from realtime_rl.train.corpus import (
+    MemoryTask, build_write_documents, commented, renamed, shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
+)
+from realtime_rl.train.pretrain import (
+    MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss, prefix_cache,
+)
+
+
+def _module(source: str, name: str):
+    namespace: dict = {}
+    exec(source, namespace)  # our own generated module
+    return namespace[name]
+
+
+def _tasks(tmp_path, count=12):
+    return list(synthetic_tasks(count, max_difficulty=2, seed=0))
+
+
+def _tokenizer(tasks):
+    return Tokenizer.train(tokenizer_texts(tasks, random.Random(0)), vocab_size=1024)
+
+
+def _passes_its_tests(task) -> bool:
+    name = task.metadata["function"]
+    function = _module(task.reference_solution()[task.solution_files[0]], name)
+    for tests in [*task.pristine_tests().values(), *task.hidden_tests().values()]:
+        assert f"from {name} import {name}" in tests
+        for line in tests.splitlines():
+            if line.strip().startswith("assert "):
+                try:
+                    exec(line.strip(), {name: function})  # our own generated tests
+                except AssertionError:
+                    return False
+    return True
+
+
+def test_renamed_tasks_are_the_same_task_under_another_name():
+    for i in range(40):
+        original = generate_task(i, "train", 0, difficulty=1 + i % 3)
+        task = MemoryTask.of(renamed(original, "get_spread_odds"))
+        assert task.metadata["function"] == "get_spread_odds" and task.metadata["structure"] == original.metadata["structure"]
+        assert task.solution_files == ("get_spread_odds.py",) and task.test_files == ("get_spread_odds_test.py",)
+        assert task.instructions.startswith("# Get spread odds\n")
+        assert "`get_spread_odds(" in task.instructions and f"`{original.metadata['function']}(" not in task.instructions
+        assert set(task.workspace()) == {"get_spread_odds.py", "get_spread_odds_test.py"}
+        assert _passes_its_tests(task)
+        for novice in task.novice_files:
+            _module(task.read(novice), "get_spread_odds")
+
+
+def test_corpus_tasks_mix_generated_and_random_names(tmp_path):
+    tasks = _tasks(tmp_path, 40)
+    kept = sum(t.metadata["function"] == generate_task(t.metadata["index"], "train", 0,
+                                                          difficulty=t.metadata["difficulty"]).metadata["function"]
+               for t in tasks)
+    assert 5 < kept < 35 and all(_passes_its_tests(t) for t in tasks)
+
+
+def test_memory_tasks_read_like_their_written_directories(tmp_path):
+    for i in range(4):
+        task = MemoryTask.of(generate_task(i, "train", 0, difficulty=2))
+        on_disk = load_task(generate_task(i, "train", 0, difficulty=2).write(tmp_path))
+        assert task.task_id == on_disk.task_id and task.instructions == on_disk.instructions
+        assert task.workspace() == on_disk.workspace() and task.reference_solution() == on_disk.reference_solution()
+        assert (task.solution_files, task.test_files, task.novice_files) == (
+            on_disk.solution_files, on_disk.test_files, on_disk.novice_files)
+        assert [task.read(f) for f in task.novice_files] == [on_disk.read(f) for f in on_disk.novice_files]
+
+
+def test_solutions_carry_one_comment_per_stage_instead_of_the_docstring(tmp_path):
+    for task in _tasks(tmp_path, 30):
+        name, stages = task.metadata["function"], task.metadata["difficulty"]
+        reference = task.reference_solution()[task.solution_files[0]]
+        written = commented(reference, instructions=task.instructions)
+        assert '"""' not in written and written.count("    # ") == stages
+        code = [line for line in written.splitlines() if not line.lstrip().startswith("#")]
+        assert "\n".join(code) + "\n" == without_docstring(reference)  # the code itself is untouched
+        for bug in task.metadata["novice_bugs"]:  # novices keep every comment, even of a step they skip
+            missing = bug["stage"] - 1 if bug["kind"] == "missing_step" else None
+            novice = commented(task.read(bug["file"]), missing, task.instructions)
+            assert novice.count("    # ") == stages
+            assert [c for c in novice.splitlines() if "#" in c] == [c for c in written.splitlines() if "#" in c]
+            _module(novice, name)
+        comments = [line.removeprefix("    # ") for line in written.splitlines() if line.startswith("    # ")]
+        assert all(c in " ".join(task.instructions.split()) for c in comments)  # the instructions' own words
+        assert callable(_module(written, name))
+
+
+def test_write_documents_are_the_loops_first_turn(tmp_path):
+    tasks = _tasks(tmp_path)
+    tokenizer = _tokenizer(tasks)
+    docs = build_write_documents(tasks, tokenizer, expert_fraction=0.5, seed=0)
+    assert len(docs) == len(tasks) and {d.expert for d in docs} == {True, False}
+    for task, doc in zip(tasks, docs):
+        text = tokenizer.decode(doc.token_ids.tolist())
+        assert text.startswith("<|im_start|>system") and task.instructions.strip() in text
+        assert doc.loss_mask[-1] and text.endswith("</tool_call><|im_end|>")  # cut after the assistant turn
+        written = tokenizer.decode(doc.token_ids[doc.loss_mask].tolist())
+        assert '"name": "write_file"' in written and "<tool_response>" not in text
+        reference = commented(task.reference_solution()[task.solution_files[0]], instructions=task.instructions)
+        if doc.expert:
+            assert reference.replace("\n", "\\n") in written.replace('\\"', '"')
+
+
+def test_prefix_cached_loss_equals_the_full_sequence_loss(tmp_path):
+    tasks = _tasks(tmp_path, 8)
+    tokenizer = _tokenizer(tasks)
+    docs = build_write_documents(tasks, tokenizer, expert_fraction=0.5, seed=0)
+    prefix_len = shared_prefix_length(docs, limit=4096)
+    assert 100 < prefix_len < min(int(np.flatnonzero(d.loss_mask)[0]) for d in docs)
+    model = Qwen3ForCausalLM(ModelConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                                         moe_intermediate_size=16, tie_word_embeddings=False))
+    model.reset_parameters(seed=0)
+    pad = tokenizer.pad_token_id
+    (full_ids, full_mask), = batch_for_step(docs, 0, 4, seed=0, pad_id=pad)
+    (ids, mask), = batch_for_step(docs, 0, 4, seed=0, pad_id=pad, prefix_len=prefix_len)
+    prefix = prefix_cache(model, torch.from_numpy(docs[0].token_ids[:prefix_len].astype(np.int64)))
+    full = masked_next_token_loss(model, full_ids, full_mask)
+    cached = masked_next_token_loss(model, ids, mask, prefix, prefix_len)
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+    cached.backward()  # gradients reach the weights through the suffix
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_batches_replay_from_the_step_and_stay_within_the_token_budget(tmp_path):
+    tasks = _tasks(tmp_path, 16)
+    tokenizer = _tokenizer(tasks)
+    docs = build_write_documents(tasks, tokenizer, expert_fraction=0.5, seed=0)
+    a = batch_for_step(docs, 7, 12, seed=3, pad_id=0, prefix_len=10)
+    b = batch_for_step(docs, 7, 12, seed=3, pad_id=0, prefix_len=10)
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
+    assert sum(len(ids) for ids, _ in a) == 12 and len(a) > 1
+    assert all(ids.numel() <= MICRO_BATCH_TOKENS or len(ids) == 1 for ids, _ in a)
+    c = batch_for_step(docs, 8, 12, seed=3, pad_id=0, prefix_len=10)
+    assert not all(x.shape == y.shape and torch.equal(x, y) for (x, _), (y, _) in zip(a, c))
+
+
+def test_config_hash_ignores_where_a_run_goes_but_not_what_it_trains():
+    base = PretrainConfig()
+    assert config_hash(base) == config_hash(base.model_copy(update={"run_dir": "elsewhere", "threads": 1,
+                                                                     "log_every": 3, "checkpoint_every": 7}))
+    assert config_hash(base) != config_hash(base.model_copy(update={"lr": base.lr / 2}))
+    assert config_hash(base) != config_hash(base.model_copy(update={"episode_fraction": base.episode_fraction / 2}))
+
+
+def test_the_config_defaults_are_the_default_recipe():
+    recipe = load_config(PretrainConfig, Path(__file__).resolve().parents[2] / "configs" / "pretrain" / "default.toml")
+    assert config_hash(recipe) == config_hash(PretrainConfig())  # ensure_base_model(PretrainConfig()) reuses it
+
+
+def test_heldout_eval_tasks_are_heldout_structures_of_each_difficulty(tmp_path):
+    tasks = heldout_tasks(tmp_path, 7, max_difficulty=2, seed=0)
+    assert [t.metadata["difficulty"] for t in tasks] == [1, 1, 1, 1, 2, 2, 2]
+    assert all(structure_split(t.metadata["structure"]) == "heldout" for t in tasks)
+    assert len({t.task_id for t in tasks}) == 7
+    again = load_task(generate_task(0, "heldout", 0, difficulty=1).write(tmp_path / "again"))
+    assert again.instructions == tasks[0].instructions
+
+
+def test_wilson_interval():
+    lo, hi = wilson_interval(50, 100)
+    assert abs(lo - 0.4038) < 1e-3 and abs(hi - 0.5962) < 1e-3
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
