@@ -167,4 +167,4 @@ def test_contiguous_slot_slice_reads_the_same_cache(tiny_policy):
         by_index = tiny_policy(ids, pos, kv_cache=a, cache_slots=torch.tensor([1, 2, 3])).logits_BTV
         by_slice = tiny_policy(ids, pos, kv_cache=b, cache_slots=slice(1, 4)).logits_BTV
     assert torch.equal(by_index, by_slice)
-    assert torch.equal(a.k_LSPHD[0], b.k_LSPHD[0])
+    assert torch.equal(a.k_LSHPD[0], b.k_LSHPD[0])

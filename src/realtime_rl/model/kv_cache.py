@@ -1,6 +1,8 @@
 """A preallocated key/value cache with one slot per concurrent sequence.
 
-Slot `s` holds the keys and values of one sequence at positions 0..S-1. A forward writes its new
+Slot `s` holds the keys and values of one sequence at positions 0..S-1, head-major ([slot, head,
+position, dim]), so the prefix a decode step reads is one contiguous block per slot and head: attention
+runs on it in place, without a transposed copy. A forward writes its new
 keys/values at the given positions of the given slots and reads back each row's prefix up to the
 longest position in the batch (`begin` once per forward, then `CacheStep.update` per layer); attention masks out keys past each query's own position, so rows of
 different lengths share one batched decode step. Freeing a slot is free: the next sequence that gets
@@ -31,9 +33,9 @@ class KVCache:
             raise ValueError(f"KVCache needs num_slots >= 1 and max_seq_len >= 1, got {num_slots}, {max_seq_len}")
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
-        shape = (num_slots, max_seq_len, config.num_key_value_heads, config.head_dim)
-        self.k_LSPHD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v_LSPHD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        shape = (num_slots, config.num_key_value_heads, max_seq_len, config.head_dim)
+        self.k_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
     def begin(self, slots: torch.Tensor | slice, positions_BT: torch.Tensor) -> CacheStep:
         """Start one forward over the cache: the prefix length, row indices and mask, once for all layers.
@@ -54,9 +56,9 @@ class KVCache:
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy positions [0, length) of one slot into another (n samples sharing one prefill)."""
-        for k_cache, v_cache in zip(self.k_LSPHD, self.v_LSPHD):
-            k_cache[dst_slot, :length] = k_cache[src_slot, :length]
-            v_cache[dst_slot, :length] = v_cache[src_slot, :length]
+        for k_cache, v_cache in zip(self.k_LSHPD, self.v_LSHPD):
+            k_cache[dst_slot, :, :length] = k_cache[src_slot, :, :length]
+            v_cache[dst_slot, :, :length] = v_cache[src_slot, :, :length]
 
 
 @dataclass
@@ -73,11 +75,12 @@ class CacheStep:
 
     def update(self, layer_idx: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new keys/values, return each row's cached prefix as (k, v) of shape [B, H, S, D]."""
-        k_cache, v_cache = self.cache.k_LSPHD[layer_idx], self.cache.v_LSPHD[layer_idx]
+        k_cache, v_cache = self.cache.k_LSHPD[layer_idx], self.cache.v_LSHPD[layer_idx]
         if isinstance(self.slots, slice):
             k_cache, v_cache = k_cache[self.slots], v_cache[self.slots]
-        k_cache[self.rows_BT, self.positions_BT] = k_BHTD.transpose(1, 2).to(k_cache.dtype)
-        v_cache[self.rows_BT, self.positions_BT] = v_BHTD.transpose(1, 2).to(v_cache.dtype)
+        # Indexing [rows, :, positions] puts the indexed dims first: [B, T, H, D].
+        k_cache[self.rows_BT, :, self.positions_BT] = k_BHTD.transpose(1, 2).to(k_cache.dtype)
+        v_cache[self.rows_BT, :, self.positions_BT] = v_BHTD.transpose(1, 2).to(v_cache.dtype)
         if isinstance(self.slots, slice):
-            return k_cache[:, : self.length].transpose(1, 2), v_cache[:, : self.length].transpose(1, 2)
-        return k_cache[self.slots, : self.length].transpose(1, 2), v_cache[self.slots, : self.length].transpose(1, 2)
+            return k_cache[:, :, : self.length], v_cache[:, :, : self.length]
+        return k_cache[self.slots, :, : self.length], v_cache[self.slots, :, : self.length]

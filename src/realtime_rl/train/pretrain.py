@@ -153,9 +153,9 @@ def masked_next_token_loss(model: Qwen3ForCausalLM, ids_BT: torch.Tensor, mask_B
     else:
         assert prefix is not None
         cache = KVCache(model.config, B, prefix_len + T - 1)
-        for k, v, k0, v0 in zip(cache.k_LSPHD, cache.v_LSPHD, prefix.k_LSPHD, prefix.v_LSPHD):
-            k[:, :prefix_len] = k0[:1, :prefix_len]
-            v[:, :prefix_len] = v0[:1, :prefix_len]
+        for k, v, k0, v0 in zip(cache.k_LSHPD, cache.v_LSHPD, prefix.k_LSHPD, prefix.v_LSHPD):
+            k[:, :, :prefix_len] = k0[:1, :, :prefix_len]
+            v[:, :, :prefix_len] = v0[:1, :, :prefix_len]
         positions = torch.arange(prefix_len, prefix_len + T - 1).expand(B, T - 1)
         logits = model(ids_BT[:, :-1], positions, kv_cache=cache, cache_slots=slice(0, B)).logits_BTV
     target, keep = ids_BT[:, 1:], mask_BT[:, 1:]
