@@ -288,16 +288,19 @@ class PretrainConfig(StrictModel):
     """Architecture; vocab_size is set from the tokenizer."""
     tokenizer: TokenizerTrainConfig = Field(default_factory=lambda: TokenizerTrainConfig(vocab_size=4096))
     """Tokenizer training (on rendered episodes of the corpus tasks)."""
-    num_tasks: int = Field(8600, ge=1, le=10_000_000)
+    num_tasks: int = Field(13000, ge=1, le=10_000_000)
     """Synthetic train tasks, one document each."""
-    episode_fraction: float = Field(0.07, ge=0.0, le=1.0)
+    episode_fraction: float = Field(0.15, ge=0.0, le=1.0)
     """Share of the tasks run as whole scripted episodes in the sandbox (at least one when > 0); each other
     task gives a first-turn document: the prompt, then write_file of the reference or a novice variant
     (same expert_fraction), dense in supervised tokens and needing no sandbox."""
     max_difficulty: int = Field(2, ge=1, le=4)
     """Tasks cycle through difficulties 1..max_difficulty."""
-    expert_fraction: float = Field(0.7, ge=0.0, le=1.0)
-    """Share of episodes that write the reference solution; the rest write a novice variant."""
+    expert_fraction: float = Field(0.8, ge=0.0, le=1.0)
+    """Share of first-turn documents that write the reference solution; the rest write a novice variant."""
+    episode_expert_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    """Share of whole episodes that write the reference first. The rest write a novice variant, see the
+    tests fail and (fix_rate) write the fix: a lower share puts more repairs in the corpus."""
     fix_rate: float = Field(0.8, ge=0.0, le=1.0)
     """Share of novice episodes that fix the bug after a failing test run."""
     steps: int = Field(1000, ge=1, le=10_000_000)

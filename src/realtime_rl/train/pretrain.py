@@ -50,7 +50,8 @@ MICRO_BATCH_TOKENS = 4096
 """A step's batch, sorted by length, is cut into micro-batches of at most this many (padded) tokens."""
 TOKENIZER_TASKS = 2000
 """Tasks whose rendered episodes train the tokenizer (more add no merges worth having)."""
-CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "fix_rate", "tokenizer")
+CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "episode_expert_fraction",
+                 "fix_rate", "tokenizer")
 RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
 """Fields that do not change the weights a run ends with."""
 
@@ -88,7 +89,8 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
     episodes = max(1, round(config.episode_fraction * len(tasks))) if config.episode_fraction > 0 else 0
     tokenizer = Tokenizer.train(tokenizer_texts(tasks[:TOKENIZER_TASKS], rng), vocab_size=config.tokenizer.vocab_size)
     with WarmPool(SandboxConfig(pool_size=2)) as pool:
-        docs = build_documents(tasks[:episodes], tokenizer, pool, config.expert_fraction, config.fix_rate, config.seed)
+        docs = build_documents(tasks[:episodes], tokenizer, pool, config.episode_expert_fraction, config.fix_rate,
+                               config.seed)
     docs += build_write_documents(tasks[episodes:], tokenizer, config.expert_fraction, config.seed + 1)
     staging = Path(tempfile.mkdtemp(dir=config.run_dir, prefix=".corpus-"))
     tokenizer.save(staging)
