@@ -249,6 +249,20 @@ def test_bench_delta_quick_writes_json(tmp_path):
     assert m["fraction_of_entropy_bound"] >= 0.8                          # near the exponent-context bound
     assert m["alt_ours_ratio"] == max(v for k, v in m.items() if k.startswith("alt_"))
 
+    rl = m["rl_steps"]                                                   # real steps of our RL trainer
+    assert rl["steps"] == 2 and rl["parameters"] > 0 and rl["lr"] > 0
+    assert len(rl["reward_mean"]) == 2 and len(rl["published_bytes_delta"]) == 2
+    for precision in ("bf16", "fp32"):
+        assert rl[precision]["pairs"], precision
+        assert all(0 < p["changed_fraction"] <= 1 for p in rl[precision]["pairs"])
+        assert rl[precision]["ratio"] > 1 and rl[precision]["ratio_xor_zstd"] > 1
+    bf16 = rl["bf16"]
+    assert bf16["entropy_bound_ratio"] > 1 and bf16["entropy_bound_ratio_exponent"] > 1
+    assert bf16["ratio"] > bf16["ratio_xor_zstd"] > bf16["ratio_int32_bf16"]
+    assert bf16["changed_fraction"] < rl["fp32"]["changed_fraction"]    # bf16 rounding hides most fp32 moves
+    published = dict(zip(range(1, 3), rl["published_bytes_delta"]))     # the trainer's own delta files
+    assert all(published[p["version"]] == p["bytes_delta"] for p in rl["fp32"]["pairs"])
+
 
 def test_a_restarted_publisher_resumes_with_deltas(tmp_path):
     trainer, transport, _ = publish_versions(tmp_path, 3, snapshot_every=10)

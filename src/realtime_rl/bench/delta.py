@@ -22,8 +22,20 @@ first, then consecutive published versions are measured. In the same run, on the
 - a learning-rate sweep on the default model (lr 3e-7 .. 1e-5; the 1e-6 row is the main measurement),
   to show the ratio where ~1% of elements change.
 
-Random initial weights (std 0.02), not a pretrained checkpoint; the RL trainer's own steps are the
-real test and the lead re-runs this on them.
+Those versions come from random initial weights (std 0.02). `rl_steps` measures the same figures on
+real steps of our RL trainer: `rollout.train` with configs/train/default.toml (GRPO, local backend,
+one worker, here synchronous) for 4 steps from the default base model (`RTRL_BENCH_BASE=DIR` picks
+another) at the recipe's learning rate; the full run repeats it at lr 1e-6 (`rl_steps_low_lr`), the
+rate of the versions above. The trainer checkpoints only after a step, so version 0 is the base
+checkpoint itself. Every consecutive pair of versions is measured as bf16 copies (what a bf16
+inference server receives: the headline) and in fp32 (what the trainer publishes to our CPU workers
+today). In the fp32 figures the peer encoding is int32 index + fp32 value, and the bounds are
+optimistic: the histograms of moves hundreds to tens of thousands of ulps wide are not charged.
+`published_bytes_delta` are the sizes of the delta files the trainer's WeightPublisher wrote to
+run_dir/weights, checked to rebuild exactly the checkpointed versions. A step whose groups all
+carried no signal leaves the weights bit-identical: it is listed in `unchanged_versions`, not
+measured. `--quick` runs 2 steps from a smoke-sized base (bench/learn.py) that never passes a task,
+so there malformed tool calls are penalised (rl.malformed_penalty 0.5) to give the groups a signal.
 """
 
 from __future__ import annotations
@@ -40,17 +52,20 @@ import torch
 import torch.nn.functional as F
 import zstandard
 
-from realtime_rl.config import ModelConfig, PretrainConfig, load_config
+from realtime_rl.bench.learn import base_and_recipe
+from realtime_rl.config import ModelConfig, PretrainConfig, TrainConfig, load_config
 from realtime_rl.deploy import (
     FilesystemTransport, WeightPublisher, WeightState, WeightSubscriber, decode, encode_delta, read_header,
 )
 from realtime_rl.deploy import tensor_codec as tc
 from realtime_rl.deploy.bits import gaps
 from realtime_rl.engine import Engine, SamplingParams
-from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, generate_corpus
+from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, generate_corpus, load_checkpoint
+from realtime_rl.rollout import train
 
 DEFAULT_TOML = Path(__file__).resolve().parents[3] / "configs" / "pretrain" / "default.toml"
 LR = 1e-6
+RL_STEPS, QUICK_RL_STEPS = 4, 2
 BIG = dict(vocab_size=8192, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
            num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
 QUICK_BIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
@@ -245,23 +260,92 @@ def swap_pause(model: Qwen3ForCausalLM, versions: Versions, repeats: int) -> dic
 
 def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
-    for k in (k for k in pairs[0] if k != "blob"):
+    for k in (k for k in pairs[0] if k not in ("blob", "version")):
         values = [p[k] for p in pairs]
         out[k] = statistics.median_low(values) if isinstance(values[0], int) else statistics.median(values)
     return out
 
 
-def measure_model(config: ModelConfig, tokens: torch.Tensor, warmup: int, measured: int, batch: int,
-                  seq: int, lr: float = LR) -> tuple[Qwen3ForCausalLM, Versions, dict[str, Any]]:
-    model, versions = train_versions(config, tokens, lr, warmup, measured, batch, seq)
-    pairs = [measure_pair(a, b, i + 1) for i, (a, b) in enumerate(zip(versions, versions[1:]))]
+def measure_versions(versions: Versions) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Medians over every consecutive pair of `versions` that differs, the codecs of the last delta,
+    and the per-pair figures (index i: versions[i - 1] -> versions[i])."""
+    pairs = []
+    for i, (old, new) in enumerate(zip(versions, versions[1:]), start=1):
+        if any(not np.array_equal(tc.bit_view(old[n]), tc.bit_view(t)) for n, t in new.items()):
+            pairs.append({"version": i, **measure_pair(old, new, i)})
+    if not pairs:
+        raise ValueError("no two consecutive versions differ: nothing to measure")
     out = summarize(pairs)
     codecs: dict[str, int] = {}
     for entry in read_header(pairs[-1]["blob"]).tensors:
         codecs[tc.CODEC_NAMES[entry[3]]] = codecs.get(tc.CODEC_NAMES[entry[3]], 0) + 1
+    out["codecs"] = codecs
+    return out, [{k: v for k, v in p.items() if k != "blob"} for p in pairs]
+
+
+def measure_model(config: ModelConfig, tokens: torch.Tensor, warmup: int, measured: int, batch: int,
+                  seq: int, lr: float = LR) -> tuple[Qwen3ForCausalLM, Versions, dict[str, Any]]:
+    model, versions = train_versions(config, tokens, lr, warmup, measured, batch, seq)
+    out, pairs = measure_versions(versions)
     out.update(parameters=model.num_parameters(), lr=lr, warmup_steps=warmup, measured_pairs=len(pairs),
-               batch=batch, seq_len=seq, codecs=codecs)
+               batch=batch, seq_len=seq)
     return model, versions, out
+
+
+# ------------------------------------------------------------------------------ real RL steps
+
+def rl_steps(base: Path, recipe: TrainConfig, steps: int, lr: float, run_dir: Path) -> dict[str, Any]:
+    """`steps` synchronous RL steps of our trainer from `base` at `lr`; every consecutive pair of
+    versions measured in bf16 and fp32, and the delta files its publisher wrote."""
+    config = recipe.model_copy(update={
+        "run_dir": run_dir, "steps": steps, "max_staleness": 0, "max_minutes": None,
+        "checkpoint_keep": steps + 1, "rl": recipe.rl.model_copy(update={"lr": lr})})
+    threads = torch.get_num_threads()
+    try:
+        summary = train(config, show_progress=False)
+    finally:
+        torch.set_num_threads(threads)  # train() sets the trainer's thread count for the process
+    assert summary["version"] == steps, summary["version"]
+    checkpoints = [base] + [run_dir / "checkpoints" / f"v-{v:07d}" for v in range(1, steps + 1)]
+    fp32 = [{n: p.detach() for n, p in load_checkpoint(c, dtype=torch.float32).model.named_parameters()}
+            for c in checkpoints]
+    transport = FilesystemTransport(run_dir / "weights")
+    shipped = decode(transport.fetch(0, "snapshot"))
+    delta_bytes = []
+    for v, tensors in enumerate(fp32):
+        if v:
+            shipped = decode(transport.fetch(v, "delta"), shipped)
+            delta_bytes.append(transport.blob_path(v, "delta").stat().st_size)
+        assert shipped.digests == WeightState.of(tensors, v).digests, f"version {v}: published != checkpoint"
+    bf16, bf16_pairs = measure_versions([{n: t.to(torch.bfloat16) for n, t in s.items()} for s in fp32])
+    full, full_pairs = measure_versions(fp32)
+    bytes_full = shipped.nbytes
+    return {
+        "base_checkpoint": str(base), "parameters": sum(t.numel() for t in fp32[0].values()), "lr": lr,
+        "steps": steps, "group_size": config.rl.group_size, "groups_per_step": config.rl.groups_per_step,
+        "train_minutes": summary["minutes"],
+        "reward_mean": [m["train/reward_mean"] for m in summary["history"]],
+        "unchanged_versions": sorted(set(range(1, steps + 1)) - {p["version"] for p in full_pairs}),
+        "bf16": {**bf16, "pairs": bf16_pairs},
+        "fp32": {**full, "pairs": full_pairs},
+        "published_bytes_full": bytes_full,
+        "published_bytes_snapshot": transport.blob_path(0, "snapshot").stat().st_size,
+        "published_bytes_delta": delta_bytes,
+        "published_ratio": statistics.median(bytes_full / b for b in delta_bytes),
+    }
+
+
+def rl_section(quick: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-delta-") as tmp:
+        base, recipe = base_and_recipe(quick, Path(tmp))
+        if quick:  # the smoke base never passes a task: malformed tool calls give the groups a signal
+            recipe = recipe.model_copy(update={"rl": recipe.rl.model_copy(update={
+                "group_size": 4, "malformed_penalty": 0.5})})
+        steps = QUICK_RL_STEPS if quick else RL_STEPS
+        out = {"rl_steps": rl_steps(base, recipe, steps, recipe.rl.lr, Path(tmp) / "train")}
+        if not quick:
+            out["rl_steps_low_lr"] = rl_steps(base, recipe, steps, LR, Path(tmp) / "train-low-lr")
+    return out
 
 
 SWEEP_KEYS = ("lr", "changed_fraction", "ratio", "ratio_int32_bf16", "ratio_xor_zstd", "entropy_bound_ratio",
@@ -289,4 +373,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics.update(big)
     metrics.update(alternatives(*versions[-3:]))
     metrics.update(swap_pause(model, versions, repeats=3 if quick else 5))
+    # (c) real steps of our RL trainer
+    metrics.update(rl_section(quick))
     return metrics
