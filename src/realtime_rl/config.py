@@ -11,10 +11,11 @@ This module imports nothing of ours and no torch: recipes are validated without 
 from __future__ import annotations
 
 import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class StrictModel(BaseModel):
@@ -236,9 +237,10 @@ class ServeConfig(StrictModel):
     port: int = Field(8000, ge=0, le=65535)
     """Port to bind (0 picks a free one)."""
     run_dir: Path = Path("runs/serve")
-    """Where the event store (events.sqlite) lives."""
-    database_url: str | None = None
-    """A postgresql:// URL to record events in Postgres instead of SQLite (the real-time loop issue)."""
+    """Where the SQLite event store (events.sqlite) lives."""
+    store: str = Field("sqlite", min_length=1, max_length=4096)
+    """The event store: "sqlite" (run_dir/events.sqlite, the default) or a Postgres URL such as
+    postgresql://127.0.0.1:5432/test (add ?options=-csearch_path%3Dname to use an existing schema)."""
     api_keys: list[ApiKey] = Field(default_factory=list)
     """Bearer keys with scopes; requests without a valid key get 401, with a key lacking the scope 403."""
     allow_unauthenticated: bool = False
@@ -262,6 +264,26 @@ class ServeConfig(StrictModel):
     server): each newly published version arrives as a verified lossless delta and is hot-swapped in."""
     weights_poll_s: float = Field(2.0, gt=0, le=3600)
     """How often the gateway checks the weight store for a new version."""
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if v == "sqlite":
+            return v
+        example = "postgresql://127.0.0.1:5432/test"
+        try:
+            url = urllib.parse.urlsplit(v)
+            url.port  # noqa: B018 (parses the port: a bad one raises ValueError)
+        except ValueError as e:
+            raise ValueError(f'store: not a valid URL ({e}); give "sqlite" or a URL like {example}') from None
+        if url.scheme not in ("postgresql", "postgres"):
+            raise ValueError(f'store must be "sqlite" or a postgresql:// URL like {example}; got scheme '
+                             f"{url.scheme or 'none'!r}")
+        if not url.hostname and "host=" not in url.query:
+            raise ValueError(f"store: the Postgres URL names no host; give one, like {example}")
+        if url.path.strip("/") == "" and "dbname=" not in url.query:
+            raise ValueError(f"store: the Postgres URL names no database; give one, like {example}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

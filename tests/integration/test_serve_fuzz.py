@@ -50,7 +50,7 @@ def check_answer(status: int, body: bytes, store: SqliteEventStore, stream: bool
 
 
 OPERATIONS = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
-              ("GET", "/health"), ("GET", "/metrics")]
+              ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/feedback")]
 
 
 def test_every_operation_is_fuzzed(api_schema):

@@ -1,20 +1,32 @@
-"""The SQLite event store: records round-trip exactly (routing bytes included), an acknowledged record
-survives a killed process, windows and cursors neither miss nor repeat, and bad records are refused."""
+"""The event stores, SQLite and Postgres, through one suite: records and feedback events round-trip
+exactly (routing bytes included); an acknowledged write survives a killed process; windows and cursors
+neither miss nor repeat, with two stores writing at once; retries are idempotent, a conflicting id
+rejects its whole batch; an event that arrives before its completion is joined once it exists; the
+group committer shares commits without mixing up batches; bad records are refused."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from realtime_rl.collect import ChoiceRecord, CompletionRecord, SqliteEventStore, open_event_store
+from realtime_rl.collect import (
+    EVENT_TYPES, ChoiceRecord, CompletionRecord, EventConflict, FeedbackEvent, GroupCommitter, SqliteEventStore,
+    open_event_store,
+)
+from realtime_rl.cli import main
+from realtime_rl.config import ServeConfig
 from realtime_rl.types import FunctionCall, ToolCall, ToolCallError
+from tests.stores import BACKENDS, PG_URL, store_location
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,6 +55,25 @@ def make_record(cid: str, created_at: float = 1000.0, n: int = 2, prompt_len: in
     )
 
 
+def make_events(prefix: str, n: int, completion_id: str | None = None) -> list[FeedbackEvent]:
+    """n events cycling through every type, each valid for its type."""
+    out = []
+    for i in range(n):
+        t = EVENT_TYPES[i % len(EVENT_TYPES)]
+        out.append(FeedbackEvent(
+            event_id=f"{prefix}-{i}", type=t, completion_id=completion_id or f"chatcmpl-{prefix}-{i % 7}",
+            session_id=f"sess-{prefix}-{i % 3}", choice_index=i % 2 if t.startswith("edit_") else None,
+            name="lint_clean" if t == "custom" else None, value=0.5 * i if t == "custom" else None,
+            window_s=300.0 if t == "edit_persisted" else None,
+            tool_call_id="call_1" if t == "tool_call_error" else None,
+            tool_name="run_tests" if t == "tool_call_error" else None,
+            error_type="bad_json" if t == "tool_call_error" else None, user="ada",
+            attributes={"task.difficulty": i % 4, "editor": "vim", "ok": True, "ratio": 0.25},
+            occurred_at=1000.0 + i,
+        ))
+    return out
+
+
 def assert_same(a: CompletionRecord, b: CompletionRecord) -> None:
     for name in ("completion_id", "created_at", "model_name", "model_version", "prompt_token_ids", "request_json",
                  "user", "session_id", "api_key_name", "latency_s", "queued_s", "first_token_s", "stream"):
@@ -58,10 +89,30 @@ def assert_same(a: CompletionRecord, b: CompletionRecord) -> None:
             assert y.routing.dtype == x.routing.dtype and np.array_equal(x.routing, y.routing)
 
 
+@pytest.fixture(params=BACKENDS)
+def location(request, tmp_path):
+    """"sqlite" or a Postgres URL (a schema of its own); stores open as open_event_store(tmp_path, location)."""
+    with store_location(request.param, tmp_path) as where:
+        yield where
+
+
 @pytest.fixture
-def store(tmp_path):
-    with SqliteEventStore(tmp_path / "events.sqlite") as s:
-        yield s
+def open_store(location, tmp_path):
+    """Opens another store object on the same database (another process would do the same)."""
+    opened = []
+
+    def open_one():
+        opened.append(open_event_store(tmp_path, location))
+        return opened[-1]
+
+    yield open_one
+    for s in opened:
+        s.close()
+
+
+@pytest.fixture
+def store(open_store):
+    return open_store()
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "int16", None])
@@ -77,25 +128,31 @@ def test_a_record_round_trips_exactly(store, dtype):
 
 
 def test_durability_settings(store):
-    assert store.pragma("journal_mode") == "wal"
-    assert store.pragma("synchronous") == 2  # FULL: the WAL is fsynced at every commit
+    if isinstance(store, SqliteEventStore):
+        assert store.pragma("journal_mode") == "wal"
+        assert store.pragma("synchronous") == 2  # FULL: the WAL is fsynced at every commit
+    else:
+        assert store.setting("synchronous_commit") == "on"  # COMMIT waits for the WAL flush
+        assert store.setting("fsync") == "on"
 
 
-def test_an_acknowledged_record_survives_a_killed_process(tmp_path):
+def test_an_acknowledged_record_and_events_survive_a_killed_process(tmp_path, location, open_store):
     code = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(REPO)!r})
-        from tests.unit.test_event_store import make_record
-        from realtime_rl.collect import SqliteEventStore
-        store = SqliteEventStore({str(tmp_path / "events.sqlite")!r})
+        from tests.unit.test_event_store import make_record, make_events
+        from realtime_rl.collect import open_event_store
+        store = open_event_store({str(tmp_path)!r}, {location!r})
         store.add_completion(make_record("chatcmpl-crash"))
+        store.add_events(make_events("crash", 50))
         print("acked", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)   # no close, no checkpoint, no atexit
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "acked" and proc.returncode == -9, proc.stderr
-    with SqliteEventStore(tmp_path / "events.sqlite") as store:
-        assert_same(make_record("chatcmpl-crash"), store.get_completion("chatcmpl-crash"))
+    store = open_store()
+    assert_same(make_record("chatcmpl-crash"), store.get_completion("chatcmpl-crash"))
+    assert [e.content() for e in store.list_events()] == [e.content() for e in make_events("crash", 50)]
 
 
 def test_windows_and_cursors_neither_miss_nor_repeat(store):
@@ -147,12 +204,263 @@ def test_inconsistent_records_are_refused():
                          prompt_token_ids=[1], choices=[], request_json="{}")
 
 
-def test_closed_store_and_postgres_url_fail_clearly(tmp_path):
-    store = open_event_store(tmp_path)
-    assert (tmp_path / "events.sqlite").is_file()
+def test_a_closed_store_fails_clearly(store):
     store.close()
     store.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         store.count_completions()
-    with pytest.raises(ValueError, match="Postgres"):
-        open_event_store(tmp_path, "postgresql://localhost/test")
+    with pytest.raises(RuntimeError, match="closed"):
+        store.add_events(make_events("late", 1))
+
+
+def test_bad_locations_fail_clearly(tmp_path):
+    open_event_store(tmp_path).close()
+    assert (tmp_path / "events.sqlite").is_file()
+    with pytest.raises(ValueError, match="sqlite"):
+        open_event_store(tmp_path, "mysql://localhost/test")
+    pytest.importorskip("psycopg")
+    with pytest.raises(ValueError, match=re.escape("cannot open the Postgres event store at postgresql://u:***@")):
+        open_event_store(tmp_path, "postgresql://u:secret@127.0.0.1:1/x?connect_timeout=2")  # nothing listens on 1
+
+
+# ---------------------------------------------------------------------------------------------- feedback events
+
+
+def test_events_of_every_type_round_trip_exactly(store):
+    events = make_events("rt", 2 * len(EVENT_TYPES))
+    result = store.add_events(events)
+    assert result.stored == [e.event_id for e in events] and not result.duplicates and not result.conflicts
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    got = store.list_events()
+    assert [e.content() for e in got] == [e.content() for e in events]
+    assert [(e.seq, e.recorded_at) for e in got] == [(e.seq, e.recorded_at) for e in events]
+    assert {e.type for e in got} == set(EVENT_TYPES) and store.count_events() == len(events)
+
+
+def test_a_retry_is_acknowledged_as_a_duplicate_and_not_stored_twice(store):
+    events = make_events("retry", 20)
+    store.add_events(events[:10])
+    result = store.add_events(make_events("retry", 20))  # the first ten again (a retried batch), ten new
+    assert result.duplicates == [f"retry-{i}" for i in range(10)]
+    assert result.stored == [f"retry-{i}" for i in range(10, 20)]
+    assert store.count_events() == 20
+    again = make_events("retry", 1)[0]
+    again.api_key_name = "another-key"  # who sends it is not part of the content
+    assert store.add_events([again]).duplicates == ["retry-0"]
+
+
+def test_a_conflicting_id_rejects_its_whole_batch(store):
+    store.add_events(make_events("c", 3))
+    changed = make_events("c", 3)[1]
+    changed.value = 42.0
+    fresh = make_events("fresh", 5)
+    with pytest.raises(EventConflict, match="'c-1' already recorded with different content"):
+        store.add_events([*fresh, changed])
+    assert store.count_events() == 3 and not store.list_events(session_id="sess-fresh-0")
+    assert store.list_events()[1].value is None  # the stored event is untouched
+
+
+def test_batches_sharing_one_commit_stay_atomic_each(store):
+    store.add_events(make_events("old", 2))
+    changed = make_events("old", 1)[0]
+    changed.user = "eve"
+    a, c = make_events("a", 3), make_events("c", 3)
+    results = store.add_event_batches([a, [*make_events("b", 3), changed], c + make_events("a", 1)])
+    assert results[0].stored == ["a-0", "a-1", "a-2"]
+    assert results[1].conflicts == ["old-0"] and not results[1].stored
+    assert results[2].stored == ["c-0", "c-1", "c-2"] and results[2].duplicates == ["a-0"]  # written just before
+    assert store.count_events() == 2 + 3 + 3
+    assert [e.seq for e in store.list_events()] == list(range(1, 9))
+
+
+def test_an_id_repeated_in_one_batch(store):
+    twice = make_events("r", 2) + make_events("r", 1)
+    result = store.add_events(twice)
+    assert result.stored == ["r-0", "r-1"] and result.duplicates == ["r-0"]
+    other = make_events("s", 1) + [FeedbackEvent(event_id="s-0", type="session_end", session_id="x")]
+    with pytest.raises(EventConflict):
+        store.add_events(other)
+    assert store.count_events() == 2
+
+
+def test_event_cursors_and_filters_neither_miss_nor_repeat(store):
+    for k in range(5):
+        store.add_events(make_events(f"w{k}", 6, completion_id=f"chatcmpl-{k % 2}"))
+        time.sleep(0.01)
+    everything = store.list_events(limit=1000)
+    assert len(everything) == 30 and [e.seq for e in everything] == list(range(1, 31))
+    seen, cursor = [], 0
+    while batch := store.list_events(after_seq=cursor, limit=7):
+        seen += [e.event_id for e in batch]
+        cursor = batch[-1].seq
+    assert seen == [e.event_id for e in everything]
+    assert {e.event_id for e in store.list_events(completion_id="chatcmpl-1")} == {
+        f"w{k}-{i}" for k in (1, 3) for i in range(6)}
+    assert {e.event_id for e in store.list_events(session_id="sess-w2-0")} == {"w2-0", "w2-3"}
+    t2 = everything[12].recorded_at  # the third batch's commit time
+    window = store.list_events(since=t2, until=everything[18].recorded_at)
+    assert [e.event_id for e in window] == [f"w2-{i}" for i in range(6)]
+    with pytest.raises(ValueError, match="limit"):
+        store.list_events(limit=0)
+
+
+def test_an_event_before_its_completion_is_joined_once_it_exists(store):
+    early = FeedbackEvent(event_id="e-early", type="edit_accepted", completion_id="chatcmpl-late")
+    by_session = FeedbackEvent(event_id="e-session", type="session_end", session_id="s1")
+    store.add_events([early, by_session])
+    assert [(e.event_id, c) for e, c in store.join_events()] == [("e-early", None), ("e-session", None)]
+    rec = make_record("chatcmpl-late")  # session s1
+    store.add_completion(rec)
+    store.add_events([FeedbackEvent(event_id="e-after", type="edit_persisted", completion_id="chatcmpl-late",
+                                    window_s=600.0)])
+    joined = store.join_events()
+    assert [e.event_id for e, _ in joined] == ["e-early", "e-session", "e-after"]
+    assert_same(rec, joined[0][1])
+    assert joined[1][1] is None and joined[2][1].completion_id == "chatcmpl-late"
+    # the session filter matches the event's own session or its completion's
+    assert [e.event_id for e, _ in store.join_events(session_id="s1")] == ["e-early", "e-session", "e-after"]
+    assert [e.event_id for e, _ in store.join_events(completion_id="chatcmpl-late", after_seq=1)] == ["e-after"]
+
+
+def test_two_stores_writing_at_once_keep_seq_in_commit_order(open_store):
+    """Two store objects on one database (two gateways): a reader following the cursor while they write
+    sees every event exactly once, because seq follows commit order."""
+    writers = [open_store(), open_store()]
+    reader = open_store()
+    done = threading.Event()
+    seen: list[str] = []
+
+    def write(w: int) -> None:
+        for k in range(25):
+            writers[w].add_events(make_events(f"g{w}-{k}", 8))
+
+    def read() -> None:
+        cursor = 0
+        while True:
+            finished = done.is_set()
+            batch = reader.list_events(after_seq=cursor, limit=50)
+            seen.extend(e.event_id for e in batch)
+            cursor = batch[-1].seq if batch else cursor
+            if finished and not batch:
+                return
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(2)]
+    follower = threading.Thread(target=read)
+    for t in [*threads, follower]:
+        t.start()
+    for t in threads:
+        t.join(120)
+    done.set()
+    follower.join(120)
+    assert len(seen) == len(set(seen)) == 2 * 25 * 8
+    assert [e.seq for e in reader.list_events(limit=1000)] == list(range(1, 401))
+
+
+def test_the_group_committer_shares_commits_and_keeps_batches_apart(store):
+    commits = []
+    committer = GroupCommitter(store, on_commit=lambda b, n, s: commits.append((b, n)))
+    store.add_events(make_events("taken", 1))
+    conflicting = make_events("taken", 1)[0]
+    conflicting.value = 1.0
+    barrier = threading.Barrier(8)
+    futures = {}
+
+    def submit(i: int) -> None:
+        barrier.wait()
+        batch = make_events(f"t{i}", 10) if i != 3 else [*make_events("t3", 10), conflicting]
+        futures[i] = committer.submit(batch)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    results = {i: f.result(timeout=30) for i, f in futures.items()}
+    committer.close()
+    assert results[3].conflicts == ["taken-0"] and not results[3].stored
+    assert all(results[i].stored == [f"t{i}-{j}" for j in range(10)] for i in results if i != 3)
+    assert store.count_events() == 1 + 7 * 10
+    assert sum(b for b, _ in commits) == 8 and len(commits) <= 8
+    with pytest.raises(RuntimeError, match="closed"):
+        committer.submit(make_events("after", 1))
+
+
+def test_the_group_committer_reports_store_errors_and_skips_cancelled_batches(store):
+    gate = threading.Event()
+    real = store.add_event_batches
+    calls = []
+
+    def slow_then_fail(batches):
+        calls.append(len(batches))
+        gate.wait(30)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(batches)
+
+    store.add_event_batches = slow_then_fail
+    committer = GroupCommitter(store)
+    first = committer.submit(make_events("first", 2))  # taken at once; its commit waits on the gate
+    while not calls:
+        time.sleep(0.01)
+    cancelled = committer.submit(make_events("cancelled", 2))
+    failing = committer.submit(make_events("failing", 2))
+    assert cancelled.cancel()  # the caller gave up before its group started
+    gate.set()
+    assert first.result(timeout=30).stored == ["first-0", "first-1"]
+    with pytest.raises(OSError, match="disk full"):
+        failing.result(timeout=30)
+    with pytest.raises(CancelledError):
+        cancelled.result()
+    committer.close()
+    store.add_event_batches = real
+    assert [e.event_id for e in store.list_events()] == ["first-0", "first-1"]
+
+
+def test_invalid_events_are_refused():
+    with pytest.raises(ValueError, match="completion .* or the session"):
+        FeedbackEvent(event_id="x", type="edit_accepted")
+    with pytest.raises(ValueError, match="session_end needs the session"):
+        FeedbackEvent(event_id="x", type="session_end", completion_id="c")
+    with pytest.raises(ValueError, match="custom event needs a name and a numeric value"):
+        FeedbackEvent(event_id="x", type="custom", completion_id="c", name="n")
+    with pytest.raises(ValueError, match="only custom events have a name"):
+        FeedbackEvent(event_id="x", type="edit_accepted", completion_id="c", name="n")
+    with pytest.raises(ValueError, match="edit_persisted needs window_s"):
+        FeedbackEvent(event_id="x", type="edit_persisted", completion_id="c")
+    with pytest.raises(ValueError, match="belong to tool_call_error"):
+        FeedbackEvent(event_id="x", type="edit_accepted", completion_id="c", error_type="bad_json")
+    with pytest.raises(ValueError, match="finite"):
+        FeedbackEvent(event_id="x", type="custom", completion_id="c", name="n", value=float("nan"))
+    with pytest.raises(ValueError, match="type must be one of"):
+        FeedbackEvent(event_id="x", type="edit_acepted", completion_id="c")
+    with pytest.raises(ValueError, match="event_id"):
+        FeedbackEvent(event_id="", type="edit_accepted", completion_id="c")
+
+
+def test_the_gateway_config_names_the_store_and_refuses_bad_ones(tmp_path, capsys):
+    assert ServeConfig().store == "sqlite"
+    assert ServeConfig(store="postgresql://127.0.0.1:5432/test?options=-csearch_path%3Dx").store.endswith("%3Dx")
+    for bad, words in [("postgres", "sqlite\" or a postgresql:// URL"), ("mysql://h/db", "scheme 'mysql'"),
+                       ("postgresql://127.0.0.1:99999/test", "not a valid URL"),
+                       ("postgresql:///test", "names no host"), ("postgresql://127.0.0.1:5432", "no database")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            ServeConfig(store=bad)
+    pytest.importorskip("psycopg")
+    code = main(["serve", "--config", str(REPO / "configs/serve/default.toml"), "--set", f"run_dir={str(tmp_path)!r}",
+                 "--set", "store='postgresql://127.0.0.1:1/test?connect_timeout=2'"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "rtrl: error: cannot open the Postgres event store at postgresql://127.0.0.1:1/test" in err
+
+
+def test_a_dropped_postgres_connection_is_replaced_on_the_next_call(tmp_path):
+    with store_location("postgres", tmp_path) as url, open_event_store(tmp_path, url) as store:
+        import psycopg
+
+        store.add_events(make_events("before", 3))
+        with psycopg.connect(PG_URL, autocommit=True) as admin:  # the server restarts, or a proxy drops the link
+            admin.execute("SELECT pg_terminate_backend(%s)", (store._conn.info.backend_pid,))
+        with pytest.raises(psycopg.OperationalError):
+            store.add_events(make_events("before", 4))  # this write fails (the gateway answers 503) ...
+        assert store.add_events(make_events("before", 4)).stored == ["before-3"]  # ... and its retry goes through
+        assert store.count_events() == 4

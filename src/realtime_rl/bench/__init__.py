@@ -24,6 +24,7 @@ BENCHMARKS = {
     "delta": "weight-delta ratio vs the peers' encodings and the entropy bound on real AdamW steps, codec speed, swap pause",
     "learn": "held-out pass@1 of the default base model, then after the default RL recipe, and the RL wall time",
     "async": "synchronous (staleness 0) against asynchronous RL: wall time for the same steps, trainer idle, pass@1",
+    "ingest": "durable feedback events/s over HTTP into `rtrl serve` (SQLite, Postgres) with retries: lost, duplicated",
 }
 
 

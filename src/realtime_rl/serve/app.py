@@ -5,9 +5,10 @@
 
 An engine or store passed in belongs to the caller (the app starts the engine's thread if needed and
 never stops or closes them); missing ones are built by the lifespan from the settings (the checkpoint;
-SQLite in run_dir/events.sqlite) and torn down with the app. The engine's own max_seq_len and
-max_batch bound requests. With `settings.weights` the gateway follows a weight store (the deploy path:
-verified lossless deltas, hot-swapped between decode steps).
+the store named by settings.store) and torn down with the app. Feedback events go through a
+GroupCommitter the app owns (one writer thread; concurrent requests share a commit). The engine's own
+max_seq_len and max_batch bound requests. With `settings.weights` the gateway follows a weight store
+(the deploy path: verified lossless deltas, hot-swapped between decode steps).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import torch
 from fastapi import FastAPI
 
-from realtime_rl.collect import EventStore, open_event_store
+from realtime_rl.collect import EventStore, GroupCommitter, open_event_store
 from realtime_rl.config import ServeConfig
 from realtime_rl.deploy import FilesystemTransport, HttpTransport, WeightSubscriber
 from realtime_rl.engine import AsyncEngine, Engine
@@ -28,7 +29,7 @@ from realtime_rl.model import load_checkpoint
 from realtime_rl.serve.deps import ServeState
 from realtime_rl.serve.errors import install_error_handlers
 from realtime_rl.serve.metrics import GatewayMetrics, MetricsMiddleware
-from realtime_rl.serve.routes import chat, health, models
+from realtime_rl.serve.routes import chat, feedback, health, models
 
 
 def build_engine(settings: ServeConfig) -> AsyncEngine:
@@ -79,20 +80,24 @@ def create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: 
             live_engine.start()
             live_store = store
             if live_store is None:
-                live_store = open_event_store(settings.run_dir, settings.database_url)
+                live_store = open_event_store(settings.run_dir, settings.store)
                 stack.callback(live_store.close)
+            committer = GroupCommitter(live_store, on_commit=metrics.observe_commit)
+            stack.callback(committer.close)  # before the store closes: what was submitted is written
             if settings.weights:
                 stack.callback(follow_weights(settings, live_engine))
             metrics.bind_engine(live_engine)
             app.state.serve = ServeState(settings, live_engine, live_store, live_engine.engine.tokenizer, metrics,
-                                         int(time.time()))
+                                         int(time.time()), committer)
             yield
 
     app = FastAPI(title="realtime-rl gateway", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible chat completions; every completion is recorded before it is answered.")
+                  description="OpenAI-compatible chat completions and a feedback API; every completion and "
+                              "event is recorded before it is answered.")
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(chat.router)
+    app.include_router(feedback.router)
     app.include_router(models.router)
     app.include_router(health.router)
     return app

@@ -1,6 +1,6 @@
 """Request dependencies: the gateway's state and bearer-key authorization, as `Annotated` aliases.
 
-    async def handler(state: StateDep, key: InferenceKey): ...
+    async def handler(state: StateDep, key: InferenceKey): ...     # or FeedbackKey, AdminKey
 
 A request without a valid key gets 401 with `WWW-Authenticate: Bearer`; a valid key without the
 route's scope gets 403. With `allow_unauthenticated` every request passes and the key is None.
@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from realtime_rl.collect import EventStore
+from realtime_rl.collect import EventStore, GroupCommitter
 from realtime_rl.config import ApiKey, ServeConfig
 from realtime_rl.engine import AsyncEngine
 from realtime_rl.model import Tokenizer
@@ -37,6 +37,8 @@ class ServeState:
     tokenizer: Tokenizer
     metrics: GatewayMetrics
     started_at: int
+    feedback: GroupCommitter
+    """Writes feedback events: concurrent requests share one transaction and one fsync."""
 
     def find_key(self, secret: str) -> ApiKey | None:
         found = None
@@ -75,4 +77,5 @@ def require(scope: Scope) -> Callable[[ServeState, HTTPAuthorizationCredentials 
 
 
 InferenceKey = Annotated[ApiKey | None, Depends(require("inference"))]
+FeedbackKey = Annotated[ApiKey | None, Depends(require("feedback"))]
 AdminKey = Annotated[ApiKey | None, Depends(require("admin"))]

@@ -1,9 +1,10 @@
 """Every error the gateway answers has the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
 
 Bad input is a 4xx whose message says what to fix: validation errors (FastAPI's 422) and malformed JSON
-become 400 naming the field; unknown routes 404, wrong methods 405. 503 (overloaded, with Retry-After;
-or the event store unavailable) and 504 (generation timed out) are the server's faults. Anything else
-is a bug: it is logged and answered 500 in the same shape, without internals.
+become 400 naming the field; unknown routes 404, wrong methods 405; a feedback event id already
+recorded with other content 409. 503 (overloaded, with Retry-After; or the event store unavailable)
+and 504 (generation timed out) are the server's faults. Anything else is a bug: it is logged and
+answered 500 in the same shape, without internals.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class ErrorPublic(ApiModel):
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error"}
 
 
 class ApiError(Exception):
@@ -56,9 +57,10 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
 
 
-# Pydantic puts the tag of a discriminated union in error locations ("messages", 0, "user", "content");
-# the client named no such field, so it is left out of `param`.
+# Pydantic puts the tag of a discriminated union in error locations ("messages", 0, "user", "content"),
+# ("body", "batch", "events", 3, "event.name"); the client named no such field, so it is left out of `param`.
 _MESSAGE_TAGS = {"system", "developer", "user", "assistant", "tool"}
+_BODY_TAGS = {"batch", "event"}  # POST /v1/feedback: a batch or one event
 
 
 def _param(error: Mapping[str, Any]) -> str:
@@ -66,8 +68,10 @@ def _param(error: Mapping[str, Any]) -> str:
     loc = list(error.get("loc", ()))
     if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):
         loc.append(str((error.get("ctx") or {}).get("discriminator", "")).strip("'"))
+    if loc and loc[0] == "body":
+        loc = loc[2:] if len(loc) > 1 and loc[1] in _BODY_TAGS else loc[1:]
     out, prev = "", None
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
+    for part in loc:
         if not (isinstance(prev, int) and part in _MESSAGE_TAGS):
             out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
         prev = part

@@ -4,6 +4,10 @@
     rtrl_serve_request_duration_seconds{route}           until the last byte of the body (streams included)
     rtrl_serve_prompt_tokens_total, rtrl_serve_generated_tokens_total, rtrl_serve_completions_total
     rtrl_serve_malformed_tool_calls_total
+    rtrl_serve_feedback_events_total{type}               feedback events stored (retries not counted again)
+    rtrl_serve_feedback_duplicates_total                 events acknowledged as retries of stored ones
+    rtrl_serve_feedback_conflicts_total                  batches refused (409): an id stored with other content
+    rtrl_serve_feedback_commit_events, ..._commit_seconds   events per group commit and its duration
     rtrl_serve_engine_waiting, rtrl_serve_engine_running, rtrl_serve_model_version   (read at scrape time)
 
 `MetricsMiddleware` is plain ASGI so that it sees the end of streamed bodies. Unmatched paths count
@@ -17,9 +21,11 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from realtime_rl.collect import EVENT_TYPES
 from realtime_rl.engine import AsyncEngine
 
 _METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
+_GROUP_BUCKETS = (1, 10, 100, 1_000, 10_000, 100_000)
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -35,6 +41,18 @@ class GatewayMetrics:
         self.completions = Counter("rtrl_serve_completions", "Completions recorded in the event store", registry=r)
         self.malformed_tool_calls = Counter("rtrl_serve_malformed_tool_calls", "Tool calls the parser rejected",
                                             registry=r)
+        self.feedback_events = Counter("rtrl_serve_feedback_events", "Feedback events stored, by type", ["type"],
+                                       registry=r)
+        for event_type in EVENT_TYPES:  # every type is scraped, 0 until seen
+            self.feedback_events.labels(event_type)
+        self.feedback_duplicates = Counter("rtrl_serve_feedback_duplicates",
+                                           "Feedback events acknowledged as retries of stored ones", registry=r)
+        self.feedback_conflicts = Counter("rtrl_serve_feedback_conflicts",
+                                          "Feedback batches refused: an event id stored with other content", registry=r)
+        self.feedback_commit_events = Histogram("rtrl_serve_feedback_commit_events", "Events per group commit",
+                                                buckets=_GROUP_BUCKETS, registry=r)
+        self.feedback_commit_seconds = Histogram("rtrl_serve_feedback_commit_seconds", "Duration of a group commit",
+                                                 buckets=_BUCKETS, registry=r)
         self.engine_waiting = Gauge("rtrl_serve_engine_waiting", "Requests queued in the engine", registry=r)
         self.engine_running = Gauge("rtrl_serve_engine_running", "Sequences decoding in the engine", registry=r)
         self.model_version = Gauge("rtrl_serve_model_version", "Policy version the engine serves", registry=r)
@@ -43,6 +61,10 @@ class GatewayMetrics:
         self.engine_waiting.set_function(lambda: engine.engine.num_waiting)
         self.engine_running.set_function(lambda: engine.engine.num_running)
         self.model_version.set_function(lambda: engine.version)
+
+    def observe_commit(self, batches: int, events: int, seconds: float) -> None:
+        self.feedback_commit_events.observe(events)
+        self.feedback_commit_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,7 @@
 """`run_server(settings)`: what `rtrl serve` runs. Loads the checkpoint, opens the event store, serves
 with uvicorn until SIGINT or SIGTERM, then drains in-flight requests, stops the engine, closes the store
-and returns normally. Bad settings (no keys, no checkpoint, an unreadable one, a Postgres URL) raise
-ValueError before anything binds.
+and returns normally. Bad settings (no keys, no checkpoint, an unreadable one, an unreachable Postgres)
+raise ValueError before anything binds.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def run_server(settings: ServeConfig) -> None:
     if not settings.allow_unauthenticated and not settings.api_keys:
         raise ValueError("api_keys: give at least one key, or set allow_unauthenticated=true for local use")
-    store = open_event_store(settings.run_dir, settings.database_url)
+    store = open_event_store(settings.run_dir, settings.store)
     try:
         engine = build_engine(settings)
     except BaseException:
@@ -45,4 +45,4 @@ def run_server(settings: ServeConfig) -> None:
         store.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    log.info("gateway stopped; events are in %s", settings.run_dir)
+    log.info("gateway stopped; events are in %s", settings.run_dir if settings.store == "sqlite" else "Postgres")
