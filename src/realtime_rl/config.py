@@ -422,6 +422,12 @@ class RolloutConfig(StrictModel):
     """Limits of test runs and grading."""
     timeout_s: float = Field(600.0, gt=0)
     """A worker that returns nothing for this long is an error (never a silent hang)."""
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the trainer publishes its weights in. float32: the workers sample from exactly the
+    trainer's weights (the delta is ~2-3x smaller than the weights: most fp32 elements move every step).
+    bfloat16: what a bf16 inference fleet receives, ~16x smaller at lr 5e-5 and ~150-250x at ~1% changed
+    (benchmarks/BENCHMARKS.md, delta on real RL steps); the workers then sample from the bf16-rounded
+    weights and the decoupled objective corrects for the difference (mismatch_k3 shows it)."""
 
 
 class TrainConfig(StrictModel):

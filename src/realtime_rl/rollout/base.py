@@ -17,6 +17,11 @@ from realtime_rl.rollout.worker import GroupJob
 from realtime_rl.types import Episode
 
 
+def publish_dtype(config: RolloutConfig) -> torch.dtype:
+    """The dtype weights are published to the workers in (config.weights_dtype)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.weights_dtype]
+
+
 def groups_per_worker(config: RolloutConfig, group_size: int) -> int:
     """Groups one worker runs at once: as many as its episodes in flight hold (at least one)."""
     return max(1, config.episodes_in_flight // group_size)

@@ -26,7 +26,7 @@ import torch
 
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import FilesystemTransport, WeightPublisher, WeightSubscriber
-from realtime_rl.rollout.base import RolloutBackend, groups_per_worker
+from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
@@ -84,7 +84,7 @@ class LocalBackend(RolloutBackend):
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rtrl-weights-"))
         shutil.rmtree(self.weights_dir, ignore_errors=True)  # a fresh chain per run: snapshot first
         self._publisher = WeightPublisher(FilesystemTransport(self.weights_dir, timeout_s=config.timeout_s),
-                                          dtype=None)  # lossless in the trainer's dtype
+                                          dtype=publish_dtype(config))
         self._ctx = mp.get_context("spawn")
         self._outbox: mp.Queue = self._ctx.Queue()
         self._inboxes: list[mp.Queue] = []

@@ -19,7 +19,7 @@ import torch
 
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import WeightPublisher, WeightSubscriber
-from realtime_rl.rollout.base import RolloutBackend, groups_per_worker
+from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
@@ -67,7 +67,8 @@ class RayBackend(RolloutBackend):
         actor_cls = ray.remote(_Actor).options(num_cpus=1, max_concurrency=groups_per_worker(self.config, self.group_size) + 2)
         from realtime_rl.deploy import RayTransport
 
-        self._publisher = WeightPublisher(RayTransport(self._weights, timeout_s=self.config.timeout_s), dtype=None)
+        self._publisher = WeightPublisher(RayTransport(self._weights, timeout_s=self.config.timeout_s),
+                                          dtype=publish_dtype(self.config))
         self._actors = [actor_cls.remote(str(self.checkpoint_dir), self.config, wid, self.seed, self._weights)
                         for wid in range(self.config.workers)]
         ray.get([a.ready.remote() for a in self._actors], timeout=self.config.timeout_s)
