@@ -138,7 +138,7 @@ def test_staleness_buffer_admits_within_the_bound_and_drops_what_outlives_it():
     buf.add(group("older", 1))
     buf.add(group("fresh", 2))
     batch, dropped = buf.take(version=2)  # "old" is 2 versions behind: past the bound
-    assert dropped == 1 and buf.started == 2
+    assert [g[0].group_id for g in dropped] == ["old"] and buf.dropped == 1 and buf.started == 2
     assert [g[0].group_id for g in batch] == ["older"]  # oldest admissible first
 
 
@@ -163,3 +163,5 @@ def test_episode_bytes_and_log_roundtrip(tmp_path):
     assert [g[0].group_id for g in pending] == [g[0].group_id for g in groups[1:]]
     log.remove(groups[:1])
     assert len(log) == len(groups) - 1
+    log.drop(groups[1:2], version=5)  # dropped for staleness: out of the log, on the record
+    assert len(log) == len(groups) - 2 and log.dropped_ids() == {e.episode_id for e in groups[1]}

@@ -3,7 +3,7 @@
     buffer = StalenessBuffer(max_staleness=2, groups_per_step=4)
     while buffer.may_start(trainer.version): submit a group; buffer.started += 1
     buffer.add(group)                            # when it finishes
-    batch, dropped = buffer.take(trainer.version)  # oldest groups first, or None
+    batch, dropped = buffer.take(trainer.version)  # oldest groups first (or None), groups past the bound
 
 Admission control, not waste: a group may start only while fewer than
 (version + max_staleness + 1) * groups_per_step groups have been admitted, so sampling never runs
@@ -14,12 +14,15 @@ token; a group past the bound (possible only when a slow group outlives the wind
 resume) is dropped, counted, and its slot given back to admission.
 
 TrajectoryLog makes finished groups durable before the trainer sees them (temp file, fsync, rename),
-so a killed trainer resumes with every group it had received and not yet consumed.
+so a killed trainer resumes with every group it had received and not yet consumed. A group dropped
+for staleness leaves the log with a line in `dropped.jsonl` (its episode ids, its staleness, the
+version): every received group is accounted for, trained once or dropped on the record.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -48,12 +51,12 @@ class StalenessBuffer:
     def add(self, group: list[Episode]) -> None:
         self.ready.append(group)
 
-    def take(self, version: int) -> tuple[list[list[Episode]] | None, int]:
+    def take(self, version: int) -> tuple[list[list[Episode]] | None, list[list[Episode]]]:
         """(groups_per_step groups, oldest first, or None if not enough are ready; groups dropped now)."""
         fresh = [g for g in self.ready if group_staleness(g, version) <= self.max_staleness]
-        dropped = len(self.ready) - len(fresh)
-        self.dropped += dropped
-        self.started -= dropped
+        dropped = [g for g in self.ready if group_staleness(g, version) > self.max_staleness]
+        self.dropped += len(dropped)
+        self.started -= len(dropped)
         fresh.sort(key=lambda g: -group_staleness(g, version))
         self.ready = fresh
         if len(fresh) < self.groups_per_step:
@@ -99,6 +102,26 @@ class TrajectoryLog:
         """Forget consumed groups (called once the checkpoint that consumed them is durable)."""
         for group in groups:
             (self.root / f"{group[0].group_id}.npz").unlink(missing_ok=True)
+
+    def drop(self, groups: list[list[Episode]], version: int) -> None:
+        """Record groups dropped for staleness (dropped.jsonl, fsync'd), then forget them."""
+        if not groups:
+            return
+        with open(self.root / "dropped.jsonl", "a") as f:
+            for group in groups:
+                f.write(json.dumps({"group_id": group[0].group_id, "version": version,
+                                    "staleness": group_staleness(group, version),
+                                    "episode_ids": [e.episode_id for e in group]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.remove(groups)
+
+    def dropped_ids(self) -> set[str]:
+        """Episode ids of every group dropped for staleness so far."""
+        path = self.root / "dropped.jsonl"
+        if not path.is_file():
+            return set()
+        return {i for line in path.read_text().splitlines() if line for i in json.loads(line)["episode_ids"]}
 
     def __len__(self) -> int:
         return sum(1 for _ in self.root.glob("*.npz"))

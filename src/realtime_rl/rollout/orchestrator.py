@@ -87,7 +87,8 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                                             1 + buffer.started % config.rollout.max_difficulty, size,
                                             config.seed * 1_000_003 + buffer.started, trainer.version))
                     buffer.started += 1
-                batch, _dropped = buffer.take(trainer.version)
+                batch, dropped = buffer.take(trainer.version)
+                log.drop(dropped, trainer.version)
                 if batch is None:
                     t0 = time.perf_counter()
                     finished = backend.poll(POLL_S)
