@@ -1,0 +1,171 @@
+"""`rtrl pretrain` and `rtrl train`: continued pre-training, the RL trainer and the rollout workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from realtime_rl.config.base import StrictModel
+from realtime_rl.config.components import AgentConfig, ModelConfig, SandboxConfig, TokenizerTrainConfig
+
+
+class PretrainConfig(StrictModel):
+    """`rtrl pretrain`: continued pre-training of the default base model on generated agent episodes.
+
+    The defaults are configs/pretrain/default.toml, the default base model (a test checks they agree)."""
+
+    run_dir: Path = Path("runs/pretrain")
+    """Checkpoints (HF directories with trainer state), the corpus cache and metrics.jsonl."""
+    seed: int = 0
+    """Seed for tasks, corpus mix, init and batching."""
+    model: ModelConfig = Field(
+        default_factory=lambda: ModelConfig(num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    )
+    """Architecture; vocab_size is set from the tokenizer."""
+    tokenizer: TokenizerTrainConfig = Field(default_factory=lambda: TokenizerTrainConfig(vocab_size=4096))
+    """Tokenizer training (on rendered episodes of the corpus tasks)."""
+    num_tasks: int = Field(13000, ge=1, le=10_000_000)
+    """Synthetic train tasks, one document each."""
+    episode_fraction: float = Field(0.15, ge=0.0, le=1.0)
+    """Share of the tasks run as whole scripted episodes in the sandbox (at least one when > 0); each other
+    task gives a first-turn document: the prompt, then write_file of the reference or a novice variant
+    (same expert_fraction), dense in supervised tokens and needing no sandbox."""
+    max_difficulty: int = Field(2, ge=1, le=4)
+    """Tasks cycle through difficulties 1..max_difficulty."""
+    expert_fraction: float = Field(0.8, ge=0.0, le=1.0)
+    """Share of first-turn documents that write the reference solution; the rest write a novice variant."""
+    episode_expert_fraction: float = Field(0.3, ge=0.0, le=1.0)
+    """Share of whole episodes that write the reference first. The rest write a novice variant, see the
+    tests fail and (fix_rate) write the fix: a lower share puts more repairs in the corpus."""
+    fix_rate: float = Field(0.8, ge=0.0, le=1.0)
+    """Share of novice episodes that fix the bug after a failing test run."""
+    steps: int = Field(1000, ge=1, le=10_000_000)
+    """Optimizer steps."""
+    batch_size: int = Field(16, ge=1, le=4096)
+    """Sequences per step."""
+    lr: float = Field(3e-3, gt=0, le=1.0)
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Cosine decay floor, as a fraction of lr."""
+    warmup_steps: int = Field(50, ge=0)
+    """Linear warmup steps."""
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """AdamW weight decay (matrices only)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    checkpoint_every: int = Field(250, ge=1)
+    """Steps between checkpoints (the last step always checkpoints)."""
+    log_every: int = Field(10, ge=1)
+    """Steps between metric lines."""
+    resume: bool = True
+    """Continue from the newest checkpoint in run_dir when there is one."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """torch threads (None: torch's default)."""
+
+
+class RLConfig(StrictModel):
+    """The RL trainer: optimizer, GRPO advantages, the decoupled PPO objective, router replay, checkpoints."""
+
+    lr: float = Field(2e-4, gt=0, le=1.0)
+    """AdamW learning rate (constant after warmup)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay (matrices only)."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """Episodes sampled per task (one GRPO group)."""
+    groups_per_step: int = Field(4, ge=1, le=100_000)
+    """Groups consumed by one optimizer step."""
+    leave_one_out: bool = False
+    """RLOO baseline (mean of the other episodes of the group) instead of the group mean."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward std (GRPO)."""
+    minibatches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per batch; with 1 (and ppo_epochs 1) the proximal policy is the current one."""
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Passes over each batch."""
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """PPO ratio lower clip (1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0.0, le=10.0)
+    """PPO ratio upper clip (1 + clip_high; higher than clip_low as in DAPO)."""
+    tis_cap: float = Field(2.0, ge=1.0)
+    """Truncated importance sampling: behaviour->proximal weights are capped here."""
+    icepop_low: float = Field(0.5, gt=0.0, le=1.0)
+    """IcePop: tokens whose behaviour->proximal ratio is below this are masked out."""
+    icepop_high: float = Field(2.0, ge=1.0)
+    """IcePop: tokens whose behaviour->proximal ratio is above this are masked out."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of k3 KL to the reference (initial) policy; 0 skips the reference forward."""
+    router_replay: bool = True
+    """R3: the trainer's forward uses the routing the engine recorded for each token (MoE models)."""
+    micro_batch_tokens: int = Field(8192, ge=64)
+    """Padded tokens per forward/backward micro-batch (gradients accumulate over micro-batches)."""
+    malformed_penalty: float = Field(0.0, ge=0.0, le=10.0)
+    """Subtracted from an episode's reward per malformed tool call."""
+
+
+class RolloutConfig(StrictModel):
+    """Rollout workers: engines driving agent episodes on synthetic tasks in sandboxes."""
+
+    backend: Literal["local", "ray"] = "local"
+    """local: worker processes on this machine; ray: Ray actors (weights and trajectories via the object store)."""
+    workers: int = Field(1, ge=1, le=4096)
+    """Rollout worker processes (or actors), each with its own engine and sandbox pool."""
+    episodes_in_flight: int = Field(16, ge=1, le=4096)
+    """Episodes each worker runs concurrently (they share the worker's engine batch)."""
+    threads_per_worker: int = Field(1, ge=1, le=256)
+    """torch threads in each worker."""
+    max_difficulty: int = Field(2, ge=1, le=4)
+    """Train tasks cycle through difficulties 1..max_difficulty."""
+    task_seed: int = 0
+    """Seed of the synthetic task generator (the pre-training recipe's seed)."""
+    first_task: int = Field(100_000, ge=0)
+    """Index of the first train task used for RL (past those pre-training saw; wraps at a difficulty's pool size)."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature of rollouts."""
+    tool_latency_s: float = Field(0.0, ge=0.0, le=600.0)
+    """Simulated extra latency of each tool turn (to study overlap), on top of the real sandbox runs."""
+    agent: AgentConfig = Field(default_factory=lambda: AgentConfig(max_turns=6, max_new_tokens=256,
+                                                                  summary_trigger_tokens=1536, max_context_tokens=2048))
+    """The agent loop's limits."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Limits of test runs and grading."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A worker that returns nothing for this long is an error (never a silent hang)."""
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the trainer publishes its weights in. float32: the workers sample from exactly the
+    trainer's weights (the delta is ~2-3x smaller than the weights: most fp32 elements move every step).
+    bfloat16: what a bf16 inference fleet receives, ~16x smaller at lr 5e-5 and ~150-250x at ~1% changed
+    (benchmarks/BENCHMARKS.md, delta on real RL steps); the workers then sample from the bf16-rounded
+    weights and the decoupled objective corrects for the difference (mismatch_k3 shows it)."""
+
+
+class TrainConfig(StrictModel):
+    """`rtrl train`: asynchronous RL on sandboxed synthetic coding tasks, from a base checkpoint."""
+
+    run_dir: Path = Path("runs/train")
+    """Checkpoints, the trajectory log and metrics.jsonl; a rerun resumes from here."""
+    base_checkpoint: Path | None = None
+    """The model to start from (an HF directory); None builds (or reuses) the default base model."""
+    seed: int = 0
+    """Seed for sampling and task order."""
+    steps: int = Field(50, ge=1, le=10_000_000)
+    """Optimizer steps (policy versions) to train."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Stop after this many minutes even if steps remain."""
+    max_staleness: int = Field(2, ge=0, le=1000)
+    """Oldest token of a trajectory may be this many versions behind the trainer; 0 is synchronous on-policy."""
+    threads: int = Field(1, ge=1, le=1024)
+    """torch threads of the trainer."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """The trainer."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """The rollout workers."""
+    checkpoint_keep: int = Field(2, ge=1, le=1000)
+    """Checkpoints kept on disk (older ones are deleted after a newer one is durable)."""
