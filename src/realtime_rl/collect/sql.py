@@ -99,6 +99,16 @@ def _columns(columns: tuple[str, ...], prefix: str = "") -> str:
     return ", ".join(prefix + c for c in columns)
 
 
+
+def _time_window(where: list[str], args: list[Any], column: str, since: float | None, until: float | None) -> None:
+    """Add `since <= column < until` (either bound optional) to a WHERE clause being built."""
+    if since is not None:
+        where.append(f"{column} >= ?")
+        args.append(since)
+    if until is not None:
+        where.append(f"{column} < ?")
+        args.append(until)
+
 class SqlEventStore(EventStore):
     placeholder = "?"
 
@@ -217,12 +227,7 @@ class SqlEventStore(EventStore):
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         where, args = ["seq > ?"], [after_seq]
-        if since is not None:
-            where.append("created_at >= ?")
-            args.append(since)
-        if until is not None:
-            where.append("created_at < ?")
-            args.append(until)
+        _time_window(where, args, "created_at", since, until)
         with self._locked() as conn:
             rows = conn.execute(self._q(f"SELECT {_columns(COMPLETION_COLUMNS)} FROM completions "
                                         f"WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"), (*args, limit)).fetchall()
@@ -285,12 +290,7 @@ class SqlEventStore(EventStore):
         if session_id is not None:
             where.append("(e.session_id = ? OR c.session_id = ?)" if joined else "e.session_id = ?")
             args += [session_id, session_id] if joined else [session_id]
-        if since is not None:
-            where.append("e.recorded_at >= ?")
-            args.append(since)
-        if until is not None:
-            where.append("e.recorded_at < ?")
-            args.append(until)
+        _time_window(where, args, "e.recorded_at", since, until)
         return " AND ".join(where), [*args, limit]
 
     def list_events(self, *, completion_id: str | None = None, session_id: str | None = None,
