@@ -99,7 +99,6 @@ def _columns(columns: tuple[str, ...], prefix: str = "") -> str:
     return ", ".join(prefix + c for c in columns)
 
 
-
 def _time_window(where: list[str], args: list[Any], column: str, since: float | None, until: float | None) -> None:
     """Add `since <= column < until` (either bound optional) to a WHERE clause being built."""
     if since is not None:
@@ -108,6 +107,7 @@ def _time_window(where: list[str], args: list[Any], column: str, since: float | 
     if until is not None:
         where.append(f"{column} < ?")
         args.append(until)
+
 
 class SqlEventStore(EventStore):
     placeholder = "?"
