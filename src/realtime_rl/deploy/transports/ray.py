@@ -13,6 +13,7 @@ actor's references and Ray frees the objects.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import ray
@@ -61,8 +62,19 @@ class RayTransport(WeightTransport):
         self._directory = _Directory.options(**options).remote()
 
     def close(self) -> None:
-        """Stop the directory actor; every blob it holds is freed."""
+        """Stop the directory actor (every blob it holds is freed); returns once it is gone, so no
+        handle to it answers after close (ray.kill itself is asynchronous)."""
         ray.kill(self._directory)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self._directory.versions.remote(), timeout=max(0.0, deadline - time.monotonic()))
+            except GetTimeoutError:
+                break
+            except RayError:  # the actor is dead
+                return
+            time.sleep(0.01)
+        raise TransportError(f"the weight directory actor did not stop within {self.timeout_s:g} s")
 
     def _get(self, ref: ray.ObjectRef, what: str):
         try:
