@@ -4,6 +4,7 @@ batches replay from the step number, and the config hash tells models apart."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from realtime_rl.config import ModelConfig, PretrainConfig, load_config
 from realtime_rl.environments import generate_task, load_task
 from realtime_rl.environments.synthetic import structure_split
-from realtime_rl.model import Qwen3ForCausalLM, Tokenizer
+from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
     MemoryTask, build_write_documents, commented, renamed, shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
@@ -118,6 +119,22 @@ def test_write_documents_are_the_loops_first_turn(tmp_path):
         if doc.expert:
             assert reference.replace("\n", "\\n") in written.replace('\\"', '"')
 
+
+def test_question_documents_ask_a_well_formed_clarifying_question(tmp_path):
+    tasks = _tasks(tmp_path, 40)
+    tokenizer = _tokenizer(tasks)
+    docs = build_write_documents(tasks, tokenizer, expert_fraction=1.0, seed=0, question_fraction=0.25)
+    asked = 0
+    for task, doc in zip(tasks, docs):
+        parsed = parse_assistant(tokenizer.decode(doc.token_ids[doc.loss_mask].tolist()).removesuffix("<|im_end|>"))
+        assert not parsed.errors and len(parsed.tool_calls) == 1
+        call = parsed.tool_calls[0].function
+        if call.name == "ask_user":
+            asked += 1
+            assert task.metadata["function"] in json.loads(call.arguments)["question"]
+        else:
+            assert call.name == "write_file"
+    assert 4 <= asked <= 18  # ~25% of 40
 
 def test_prefix_cached_loss_equals_the_full_sequence_loss(tmp_path):
     tasks = _tasks(tmp_path, 8)

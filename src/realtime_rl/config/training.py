@@ -41,6 +41,9 @@ class PretrainConfig(StrictModel):
     tests fail and (fix_rate) write the fix: a lower share puts more repairs in the corpus."""
     fix_rate: float = Field(0.8, ge=0.0, le=1.0)
     """Share of novice episodes that fix the bug after a failing test run."""
+    question_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of first-turn documents that ask the user a clarifying question (ask_user) instead of writing:
+    the base policy then asks sometimes, as agents do, and a naive reward can learn to ask instead of act."""
     steps: int = Field(1000, ge=1, le=10_000_000)
     """Optimizer steps."""
     batch_size: int = Field(16, ge=1, le=4096)

@@ -10,7 +10,9 @@ token layout the policy will see later):
                  novice   write_file(buggy) -> run_tests -> [write_file(reference) -> run_tests ->] submit
     write    the first turn only: the task prompt, then write_file(reference or novice variant). These
              are dense in supervised tokens and teach the mapping from English stages to code lines;
-             they need no sandbox, so many more tasks fit in the same budget.
+             they need no sandbox, so many more tasks fit in the same budget. A share of them
+             (`question_fraction`) asks the user a clarifying question instead (ask_user), as agents in
+             the wild sometimes do: the base policy then has the behaviour a naive reward can inflate.
 
 Solutions are written without the stub's docstring (it restates the instructions: tokens to generate
 that no test checks). The loss mask marks the assistant tokens, so pre-training learns to act, not to
@@ -203,15 +205,33 @@ def build_documents(tasks: list[Task], tokenizer: Tokenizer, pool: WarmPool, exp
     return docs
 
 
+QUESTIONS = (
+    "Should {fn} handle an empty input?",
+    "What should {fn} return when there is nothing to process?",
+    "Is it fine to modify the input in {fn}, or should I copy it first?",
+    "Can the input to {fn} contain negative numbers?",
+    "Do you want me to keep the existing signature of {fn}?",
+)
+"""Clarifying questions of the kind agents ask before a risky edit (none is needed: the tasks are specified)."""
+
+
+def clarifying_question(task: Task, rng: random.Random) -> str:
+    return rng.choice(QUESTIONS).format(fn=task.metadata.get("function", "the function"))
+
+
 def build_write_documents(tasks: list[Task], tokenizer: Tokenizer, expert_fraction: float,
-                          seed: int) -> list[Document]:
+                          seed: int, question_fraction: float = 0.0) -> list[Document]:
     """One first-turn document per task: the loop's prompt, then write_file of the reference (expert) or a
-    novice variant, cut after the assistant's turn. No test runs, so no sandbox."""
+    novice variant, or (question_fraction) an ask_user question, cut after the assistant's turn. No test
+    runs, so no sandbox."""
     rng = random.Random(seed)
     docs = []
     for task in tasks:
         expert = rng.random() < expert_fraction
-        turn = _call("write_file", path=task.solution_files[0], content=_solution(task, expert, rng))
+        if rng.random() < question_fraction:
+            turn = _call("ask_user", question=clarifying_question(task, rng))
+        else:
+            turn = _call("write_file", path=task.solution_files[0], content=_solution(task, expert, rng))
         episode = run_episode(ScriptedPolicy(tokenizer, [turn]), tokenizer, task, None,
                               SCRIPT_AGENT.model_copy(update={"max_turns": 1})).episode
         seg = episode.segments[0]

@@ -51,7 +51,7 @@ MICRO_BATCH_TOKENS = 4096
 TOKENIZER_TASKS = 2000
 """Tasks whose rendered episodes train the tokenizer (more add no merges worth having)."""
 CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "episode_expert_fraction",
-                 "fix_rate", "tokenizer")
+                 "fix_rate", "question_fraction", "tokenizer")
 RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
 """Fields that do not change the weights a run ends with."""
 
@@ -91,7 +91,8 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
     with WarmPool(SandboxConfig(pool_size=2)) as pool:
         docs = build_documents(tasks[:episodes], tokenizer, pool, config.episode_expert_fraction, config.fix_rate,
                                config.seed)
-    docs += build_write_documents(tasks[episodes:], tokenizer, config.expert_fraction, config.seed + 1)
+    docs += build_write_documents(tasks[episodes:], tokenizer, config.expert_fraction, config.seed + 1,
+                                  config.question_fraction)
     staging = Path(tempfile.mkdtemp(dir=config.run_dir, prefix=".corpus-"))
     tokenizer.save(staging)
     lengths = np.array([len(d.token_ids) for d in docs])
