@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (default 8000)")
 
+    from realtime_rl.deploy.registry_cli import add_registry_parser
+
+    add_registry_parser(sub)
+
     from realtime_rl.bench import BENCHMARKS
 
     bench = sub.add_parser("bench", help="run a benchmark and write its metrics",
@@ -69,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "registry":
+        from realtime_rl.deploy.registry_cli import run_registry
+
+        return run_registry(args)
     if args.command == "demo":
         from realtime_rl.demo import run_demo
 

@@ -14,11 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from realtime_rl.collect import SqliteEventStore
-from realtime_rl.config import ServeConfig
+from realtime_rl.config import ApiKey, ServeConfig
 from realtime_rl.engine import AsyncEngine, Engine
 from realtime_rl.serve import create_app
-from tests.unit.test_serve_api import AUTH, KEYS, MODEL, WEATHER, random_model
+from tests.unit.test_serve_api import KEYS, MODEL, WEATHER, random_model
 
+ADMIN = ApiKey(name="admin", key="k-admin-fuzz-0123456789", scopes=["inference", "feedback", "admin"])
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN.key}"}  # every scope, so the admin routes are fuzzed too
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
@@ -26,10 +28,12 @@ FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(Heal
 def gateway(tmp_path_factory, tokenizer):
     # A short context keeps every generation small; limits are part of what gets fuzzed.
     engine = AsyncEngine(Engine(random_model(tokenizer), tokenizer, max_batch=4, max_seq_len=384), max_pending=8)
-    store = SqliteEventStore(tmp_path_factory.mktemp("fuzz") / "events.sqlite")
-    app = create_app(ServeConfig(api_keys=KEYS, default_max_tokens=4, request_timeout_s=20), engine, store)
+    run_dir = tmp_path_factory.mktemp("fuzz")
+    store = SqliteEventStore(run_dir / "events.sqlite")
+    app = create_app(ServeConfig(api_keys=[*KEYS, ADMIN], default_max_tokens=4, request_timeout_s=20,
+                                 run_dir=run_dir), engine, store)
     with TestClient(app) as client:
-        client.headers.update(AUTH)
+        client.headers.update(ADMIN_AUTH)
         yield app, client, store
     engine.stop()
     store.close()
@@ -50,7 +54,8 @@ def check_answer(status: int, body: bytes, store: SqliteEventStore, stream: bool
 
 
 OPERATIONS = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
-              ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/feedback")]
+              ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/feedback"),
+              ("GET", "/v1/admin/traffic"), ("PUT", "/v1/admin/traffic")]
 
 
 def test_every_operation_is_fuzzed(api_schema):
@@ -72,7 +77,7 @@ def test_schemathesis_finds_no_server_error(api_schema, gateway, method, path, m
     def call(case):
         if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
             case.body["model"] = MODEL  # a random model name would stop every valid request at the 404
-        response = case.call(headers=AUTH)
+        response = case.call(headers=ADMIN_AUTH)
         stream = response.headers.get("content-type", [""])[0].startswith("text/event-stream")
         check_answer(response.status_code, response.content, gateway[2], stream)
 

@@ -23,6 +23,8 @@ from realtime_rl.collect import (
     EVENT_TYPES, ChoiceRecord, CompletionRecord, EventConflict, FeedbackEvent, GroupCommitter, SqliteEventStore,
     open_event_store,
 )
+from realtime_rl.collect.base import CHOICE_COLUMNS, COMPLETION_COLUMNS, choice_row, completion_row
+from realtime_rl.collect.sql import SCHEMA, schema_statements
 from realtime_rl.cli import main
 from realtime_rl.config import ServeConfig
 from realtime_rl.types import FunctionCall, ToolCall, ToolCallError
@@ -76,7 +78,7 @@ def make_events(prefix: str, n: int, completion_id: str | None = None) -> list[F
 
 def assert_same(a: CompletionRecord, b: CompletionRecord) -> None:
     for name in ("completion_id", "created_at", "model_name", "model_version", "prompt_token_ids", "request_json",
-                 "user", "session_id", "api_key_name", "latency_s", "queued_s", "first_token_s", "stream"):
+                 "user", "session_id", "api_key_name", "latency_s", "queued_s", "first_token_s", "stream", "arm"):
         assert getattr(a, name) == getattr(b, name), name
     assert len(a.choices) == len(b.choices)
     for x, y in zip(a.choices, b.choices):
@@ -125,6 +127,63 @@ def test_a_record_round_trips_exactly(store, dtype):
     assert got.seq == 1 and got.recorded_at == rec.recorded_at
     assert got.choices[1].malformed_tool_calls == 1 and got.choices[1].tool_call_errors[0].kind == "bad_json"
     assert store.get_completion("chatcmpl-missing") is None
+
+
+def test_the_serving_arm_round_trips_and_defaults_to_the_champion(store):
+    champion, candidate = make_record("chatcmpl-champ"), make_record("chatcmpl-cand")
+    candidate.arm = "candidate"
+    store.add_completion(champion)
+    store.add_completion(candidate)
+    assert store.get_completion("chatcmpl-champ").arm == "champion"
+    assert [r.arm for r in store.list_completions()] == ["champion", "candidate"]
+    with pytest.raises(ValueError, match="arm must be"):
+        CompletionRecord(completion_id="c", created_at=0.0, model_name="m", model_version=0, prompt_token_ids=[1],
+                         choices=champion.choices[:1], request_json="{}", arm="")
+
+
+def test_a_database_of_the_schema_before_arms_gains_the_column_on_open(tmp_path, location):
+    """A store created before completions had an `arm` keeps its rows (read back as the champion's) and
+    stores arms once opened by this version; opening it again changes nothing."""
+    arm_ddl = ",\n    arm TEXT NOT NULL DEFAULT 'champion'"
+    assert SCHEMA.count(arm_ddl) == 1
+
+    def old_schema(blob: str) -> list[str]:
+        return [statement.replace(arm_ddl, "") for statement in schema_statements(blob)]
+
+    old = make_record("chatcmpl-old")
+    row = completion_row(old)
+    rows = [(row[0], 1, row[2], 1234.0, *row[4:-1])]  # the columns of the old schema: all but the arm
+    choice_rows = [choice_row(old.completion_id, c) for c in old.choices]
+    insert = (f"INSERT INTO completions ({', '.join(COMPLETION_COLUMNS[:-1])}) VALUES "
+              f"({', '.join('?' for _ in COMPLETION_COLUMNS[:-1])})",
+              f"INSERT INTO completion_choices ({', '.join(CHOICE_COLUMNS)}) VALUES "
+              f"({', '.join('?' for _ in CHOICE_COLUMNS)})")
+    if location == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "events.sqlite") as conn:
+            conn.executescript(";".join(old_schema("BLOB")))
+            conn.executemany(insert[0], rows)
+            conn.executemany(insert[1], choice_rows)
+    else:
+        import psycopg
+
+        with psycopg.connect(location, autocommit=True) as conn, conn.cursor() as cur:
+            for statement in old_schema("BYTEA"):
+                cur.execute(statement)
+            cur.executemany(insert[0].replace("?", "%s"), rows)
+            cur.executemany(insert[1].replace("?", "%s"), choice_rows)
+    for _ in range(2):
+        with open_event_store(tmp_path, location) as store:
+            got = store.get_completion("chatcmpl-old")
+            assert_same(old, got)
+            assert got.seq == 1 and got.arm == "champion"
+            if store.count_completions() == 1:
+                new = make_record("chatcmpl-new")
+                new.arm = "candidate"
+                store.add_completion(new)
+            assert [(r.completion_id, r.arm) for r in store.list_completions()] == [
+                ("chatcmpl-old", "champion"), ("chatcmpl-new", "candidate")]
 
 
 def test_durability_settings(store):

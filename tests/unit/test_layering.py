@@ -13,10 +13,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "realtime_rl"
 
 BASE = {"types": 0, "config": 0}
-LIBRARIES = {"monitor": 1, "model": 2, "environments": 3, "rewards": 4}
-STAGES = {"engine", "rollout", "train", "collect", "serve", "evaluate", "deploy", "adapt"}
+LIBRARIES = {"monitor": 1, "model": 2, "environments": 3, "collect": 4, "rewards": 5}  # rewards reads the event store
+STAGES = {"engine", "rollout", "train", "serve", "evaluate", "deploy", "adapt", "loop"}
 APPS = {"cli", "demo", "bench"}
-TEST_ONLY = {"transformers", "trl", "openai"}
+TEST_ONLY = {"transformers", "trl"}
 
 
 def component(module: str) -> str:

@@ -10,7 +10,8 @@ import torch
 
 from realtime_rl.config import RLConfig
 from realtime_rl.train import RLTrainer
-from realtime_rl.train.traffic import request_metadata, traffic_episode, traffic_episodes, traffic_segment
+from realtime_rl.rewards import request_metadata
+from realtime_rl.train.traffic import traffic_episode, traffic_episodes, traffic_segment
 from tests.unit.test_serve_api import chat, gateway, random_model
 
 

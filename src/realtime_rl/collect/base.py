@@ -97,6 +97,9 @@ class CompletionRecord:
     queued_s: float = 0.0
     first_token_s: float = 0.0
     stream: bool = False
+    arm: str = "champion"
+    """The traffic arm that served the request ("champion" or "candidate"; see deploy.canary). Records
+    written before arms existed read back as "champion"."""
     seq: int | None = None
     """Assigned by the store on insert; strictly increasing within one store."""
     recorded_at: float | None = None
@@ -105,6 +108,8 @@ class CompletionRecord:
     def __post_init__(self) -> None:
         if not self.choices:
             raise ValueError(f"completion {self.completion_id}: no choices")
+        if not 0 < len(self.arm) <= 64:
+            raise ValueError(f"completion {self.completion_id}: arm must be 1 to 64 characters")
         if [c.index for c in self.choices] != list(range(len(self.choices))):
             raise ValueError(f"completion {self.completion_id}: choice indices must be 0..n-1 in order")
         for c in self.choices:
@@ -310,7 +315,7 @@ class EventStore(ABC):
 COMPLETION_COLUMNS = (
     "completion_id", "seq", "created_at", "recorded_at", "user_id", "session_id", "api_key_name", "model_name",
     "model_version", "prompt_token_ids", "request_json", "num_choices", "stream", "latency_s", "queued_s",
-    "first_token_s",
+    "first_token_s", "arm",
 )
 CHOICE_COLUMNS = (
     "completion_id", "choice_index", "finish_reason", "token_ids", "logprobs", "raw_logprobs", "versions", "text",
@@ -342,7 +347,7 @@ def decode_routing(data: bytes | None, shape: str | None, dtype: str | None) -> 
 def completion_row(r: CompletionRecord) -> tuple[Any, ...]:
     return (r.completion_id, r.seq, r.created_at, r.recorded_at, r.user, r.session_id, r.api_key_name, r.model_name,
             r.model_version, json.dumps(r.prompt_token_ids), r.request_json, len(r.choices), r.stream, r.latency_s,
-            r.queued_s, r.first_token_s)
+            r.queued_s, r.first_token_s, r.arm)
 
 
 def choice_row(completion_id: str, c: ChoiceRecord) -> tuple[Any, ...]:
@@ -371,7 +376,8 @@ def completion_from_row(row: tuple[Any, ...], choices: list[ChoiceRecord]) -> Co
         model_version=v["model_version"], prompt_token_ids=json.loads(v["prompt_token_ids"]), choices=choices,
         request_json=v["request_json"], user=v["user_id"], session_id=v["session_id"],
         api_key_name=v["api_key_name"], latency_s=v["latency_s"], queued_s=v["queued_s"],
-        first_token_s=v["first_token_s"], stream=bool(v["stream"]), seq=v["seq"], recorded_at=v["recorded_at"],
+        first_token_s=v["first_token_s"], stream=bool(v["stream"]), arm=v["arm"], seq=v["seq"],
+        recorded_at=v["recorded_at"],
     )
 
 

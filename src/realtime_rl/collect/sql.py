@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS completions (
     stream BOOLEAN NOT NULL,
     latency_s DOUBLE PRECISION NOT NULL,
     queued_s DOUBLE PRECISION NOT NULL,
-    first_token_s DOUBLE PRECISION NOT NULL
+    first_token_s DOUBLE PRECISION NOT NULL,
+    arm TEXT NOT NULL DEFAULT 'champion'
 );
 CREATE INDEX IF NOT EXISTS completions_created_at ON completions (created_at);
 CREATE TABLE IF NOT EXISTS completion_choices (
@@ -89,6 +90,11 @@ CREATE INDEX IF NOT EXISTS feedback_events_session ON feedback_events (session_i
 CREATE INDEX IF NOT EXISTS feedback_events_recorded_at ON feedback_events (recorded_at)
 """
 # No foreign key from feedback_events to completions: an event may arrive before its completion.
+
+# Columns added after the first release, with the DDL that adds each to a database created before it.
+ADDED_COLUMNS = {
+    ("completions", "arm"): "ALTER TABLE completions ADD COLUMN arm TEXT NOT NULL DEFAULT 'champion'",
+}
 
 
 def schema_statements(blob: str) -> list[str]:
@@ -167,9 +173,15 @@ class SqlEventStore(EventStore):
             conn.execute("COMMIT")
 
     def _create_schema(self, blob: str) -> None:
+        """Create missing tables, and add the columns a database of an older schema lacks (in one
+        transaction under the schema lock, so stores opening at once never both add a column)."""
         with self._write("schema") as conn:
             for statement in schema_statements(blob):
                 conn.execute(statement)
+            for (table, column), alter in ADDED_COLUMNS.items():
+                cur = conn.execute(f"SELECT * FROM {table} WHERE 1 = 0")
+                if column not in {d[0] for d in cur.description}:
+                    conn.execute(alter)
 
     def close(self) -> None:
         """Idempotent; waits for a running call (bounded by lock_timeout_s)."""

@@ -8,7 +8,8 @@ applies `--set a.b=value` overrides, whose values are parsed as TOML literals (`
 This module imports nothing of ours and no torch: recipes are validated without loading a model.
 
 Layout: base.py (StrictModel, load_config and `--set` overrides), components.py (model, tokenizer,
-sandbox, agent loop, eval), serve.py, training.py (pretrain, RL, rollout, train), demo.py.
+sandbox, agent loop, eval), serve.py, training.py (pretrain, RL, rollout, train), rewards.py (reward rules,
+hacking monitors), loop.py (the real-time loop: gate, A/B), demo.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pydantic import BaseModel
 from realtime_rl.config.base import StrictModel, apply_overrides, format_validation_error, load_config
 from realtime_rl.config.components import AgentConfig, EvalConfig, ModelConfig, SandboxConfig, TokenizerTrainConfig
 from realtime_rl.config.demo import DemoConfig
+from realtime_rl.config.loop import ABConfig, GateConfig
+from realtime_rl.config.rewards import ActionRewards, EventWeights, MonitorConfig, RewardRules
 from realtime_rl.config.serve import ApiKey, ServeConfig
 from realtime_rl.config.training import PretrainConfig, RLConfig, RolloutConfig, TrainConfig
 
@@ -31,8 +34,9 @@ RECIPE_ROOTS: dict[str, type[BaseModel]] = {
     "serve": ServeConfig,
     "pretrain": PretrainConfig,
     "train": TrainConfig,
+    "rewards": RewardRules,
 }
 
-__all__ = ["RECIPE_ROOTS", "AgentConfig", "ApiKey", "DemoConfig", "EvalConfig", "ModelConfig", "PretrainConfig",
-           "RLConfig", "RolloutConfig", "SandboxConfig", "ServeConfig", "StrictModel", "TokenizerTrainConfig",
+__all__ = ["RECIPE_ROOTS", "ABConfig", "ActionRewards", "AgentConfig", "ApiKey", "DemoConfig", "EvalConfig", "EventWeights",
+           "GateConfig", "ModelConfig", "MonitorConfig", "PretrainConfig", "RLConfig", "RewardRules", "RolloutConfig", "SandboxConfig", "ServeConfig", "StrictModel", "TokenizerTrainConfig",
            "TrainConfig", "apply_overrides", "format_validation_error", "load_config"]

@@ -60,7 +60,17 @@ class ServeConfig(StrictModel):
     """A weight store to follow (a directory of the filesystem transport, or the http(s) URL of a weights
     server): each newly published version arrives as a verified lossless delta and is hot-swapped in."""
     weights_poll_s: float = Field(2.0, gt=0, le=3600)
-    """How often the gateway checks the weight store for a new version."""
+    """How often the gateway checks the weight stores for a new version."""
+    candidate_weights: str | None = None
+    """The weight store the candidate arm follows (a directory or an http(s) URL, as for `weights`). The
+    arm exists once the store has a version: an engine of the champion's architecture and tokenizer with
+    the weights the store rebuilds, hot-swapping later versions as the champion does."""
+    candidate_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of users the candidate arm serves once it exists (a stable hash of the user and traffic_salt;
+    deploy.canary). PUT /v1/admin/traffic changes it at run time and writes run_dir/traffic.json, which
+    then wins over this value when the gateway restarts."""
+    traffic_salt: str = Field("rtrl", min_length=1, max_length=128)
+    """Salt of the user hash: a new salt draws a new, independent split of users."""
 
     @field_validator("store")
     @classmethod
@@ -89,4 +99,6 @@ class ServeConfig(StrictModel):
         names = [k.name for k in self.api_keys]
         if len(set(names)) != len(names):
             raise ValueError("api_keys names must be unique")
+        if self.candidate_weights is not None and self.candidate_weights == self.weights:
+            raise ValueError("candidate_weights must name another weight store than weights (the champion's)")
         return self

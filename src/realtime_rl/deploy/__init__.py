@@ -12,16 +12,21 @@ Public API (other stages import only these names, from `realtime_rl.deploy`):
     WeightState.of(tensors, version); encode_delta(base, new); encode_snapshot(state); decode(blob, base)
     DeltaError (OutOfOrder), TransportError (MissingBlob), WeightSyncError
 
-The format, the codec and the measured figures: docs/weight_sync.md. Not here yet: the registry,
-canary and rollback (issue 7).
+    Registry.open(run_dir): versions with lineage and states (candidate, canary, live, retired,
+        rolled_back); register / transition / promote / rollback are atomic; DataWindow, PolicyVersion
+    assign_arm(user, salt, candidate_fraction) -> "champion" | "candidate"   # the canary's stable split
+
+The format, the codec and the measured figures: docs/weight_sync.md.
 """
 
 from typing import Any
 
+from realtime_rl.deploy.canary import ARMS, Arm, assign_arm, user_point
 from realtime_rl.deploy.delta import (
     DeltaError, OutOfOrder, WeightState, decode, encode_delta, encode_snapshot, read_header, state_digest,
     tensor_digest,
 )
+from realtime_rl.deploy.registry import STATES, DataWindow, PolicyVersion, Registry, Transition
 from realtime_rl.deploy.sync import PublishStats, WeightPublisher, WeightSubscriber, WeightSyncError
 from realtime_rl.deploy.transports import (
     FilesystemTransport, HttpTransport, MissingBlob, TransportError, WeightTransport, create_weights_app,
@@ -29,11 +34,11 @@ from realtime_rl.deploy.transports import (
 )
 
 __all__ = [
-    "DeltaError", "FilesystemTransport", "HttpTransport", "MissingBlob", "OutOfOrder", "PublishStats",
-    "RayTransport", "TransportError", "WeightPublisher", "WeightState", "WeightSubscriber", "WeightSyncError",
+    "ARMS", "Arm", "STATES", "DataWindow", "DeltaError", "FilesystemTransport", "HttpTransport", "MissingBlob", "OutOfOrder", "PolicyVersion", "PublishStats",
+    "RayTransport", "Registry", "Transition", "TransportError", "WeightPublisher", "WeightState", "WeightSubscriber", "WeightSyncError",
     "WeightTransport",
-    "create_weights_app", "decode", "encode_delta", "encode_snapshot", "read_header", "state_digest",
-    "tensor_digest", "weights_router",
+    "assign_arm", "create_weights_app", "decode", "encode_delta", "encode_snapshot", "read_header", "state_digest",
+    "tensor_digest", "user_point", "weights_router",
 ]
 
 

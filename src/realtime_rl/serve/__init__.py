@@ -1,15 +1,22 @@
 """The gateway: an OpenAI-compatible API in front of the engine that records every completion.
 
-    create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: EventStore | None = None) -> FastAPI
+    create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: EventStore | None = None,
+               candidate_engine: AsyncEngine | None = None) -> FastAPI
     run_server(settings: ServeConfig) -> None          # `rtrl serve`
 
 Routes: POST /v1/chat/completions (JSON or SSE), POST /v1/feedback (one event or a batch; docs/feedback.md),
-GET /v1/models[/{model}], GET /health, GET /metrics. Keys: `Authorization: Bearer <key>` from
-settings.api_keys; completions and models need the "inference" scope, feedback the "feedback" scope;
-/health and /metrics need no key. Errors have the OpenAI shape.
+GET /v1/models[/{model}], GET and PUT /v1/admin/traffic, GET /health, GET /metrics. Keys:
+`Authorization: Bearer <key>` from settings.api_keys; completions and models need the "inference" scope,
+feedback the "feedback" scope, /v1/admin the "admin" scope; /health and /metrics need no key. Errors have
+the OpenAI shape.
 
-Not here yet: admin routes (their issue), forcing a tool call (tool_choice "required" or a named
-function answers 400), logit_bias and penalties (400).
+Two arms (arms.py): the champion engine and, once it exists, a candidate (passed in, or built when
+settings.candidate_weights first has a version). Users are split between them by a stable hash
+(deploy.canary) at the fraction PUT /v1/admin/traffic sets; every answer names its arm in `X-Rtrl-Arm`
+and its policy version in `system_fingerprint`, and every record carries its arm.
+
+Not here yet: forcing a tool call (tool_choice "required" or a named function answers 400), logit_bias
+and penalties (400).
 """
 
 from realtime_rl.serve.app import create_app

@@ -39,6 +39,8 @@ from realtime_rl.types import ToolCall
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 30.0
+ARM_HEADER = "X-Rtrl-Arm"
+"""Response header naming the arm ("champion" or "candidate") that served a completion."""
 
 
 @dataclass
@@ -157,6 +159,8 @@ class RequestInfo:
     user: str | None
     session_id: str | None
     api_key_name: str | None
+    arm: str = "champion"
+    """The traffic arm serving the request."""
 
 
 def build_record(output: RequestOutput, prepared: Prepared, choices: list[ChoiceRecord], info: RequestInfo,
@@ -166,7 +170,7 @@ def build_record(output: RequestOutput, prepared: Prepared, choices: list[Choice
         model_version=min(min(s.versions) for s in output.samples), prompt_token_ids=list(output.prompt_ids),
         choices=choices, request_json=prepared.body.model_dump_json(exclude_none=True), user=info.user,
         session_id=info.session_id, api_key_name=info.api_key_name, latency_s=time.time() - info.created_at,
-        queued_s=output.queued_s, first_token_s=output.first_token_s, stream=stream,
+        queued_s=output.queued_s, first_token_s=output.first_token_s, stream=stream, arm=info.arm,
     )
 
 

@@ -21,6 +21,7 @@ from realtime_rl.collect import EventStore, GroupCommitter
 from realtime_rl.config import ApiKey, ServeConfig
 from realtime_rl.engine import AsyncEngine
 from realtime_rl.model import Tokenizer
+from realtime_rl.serve.arms import Arms
 from realtime_rl.serve.errors import ApiError
 from realtime_rl.serve.metrics import GatewayMetrics
 
@@ -33,12 +34,15 @@ class ServeState:
 
     settings: ServeConfig
     engine: AsyncEngine
+    """The champion arm's engine."""
     store: EventStore
     tokenizer: Tokenizer
     metrics: GatewayMetrics
     started_at: int
     feedback: GroupCommitter
     """Writes feedback events: concurrent requests share one transaction and one fsync."""
+    arms: Arms
+    """The champion (`engine`) and the candidate arm, and the split of users between them."""
 
     def find_key(self, secret: str) -> ApiKey | None:
         found = None

@@ -9,6 +9,11 @@
     rtrl_serve_feedback_conflicts_total                  batches refused (409): an id stored with other content
     rtrl_serve_feedback_commit_events, ..._commit_seconds   events per group commit and its duration
     rtrl_serve_engine_waiting, rtrl_serve_engine_running, rtrl_serve_model_version   (read at scrape time)
+    rtrl_serve_arm_requests_total{arm, status}           chat-completion requests, by the arm that took them
+    rtrl_serve_arm_request_duration_seconds{arm}         their duration, to the last body byte
+    rtrl_serve_arm_version{arm}                          policy version each arm serves (NaN: no candidate yet)
+
+A request's arm is the `X-Rtrl-Arm` header of its answer, so only requests an arm took are counted by arm.
 
 `MetricsMiddleware` is plain ASGI so that it sees the end of streamed bodies. Unmatched paths count
 under route "unmatched", so a scanner cannot grow the label set.
@@ -16,6 +21,7 @@ under route "unmatched", so a scanner cannot grow the label set.
 
 from __future__ import annotations
 
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -23,9 +29,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from realtime_rl.collect import EVENT_TYPES
 from realtime_rl.engine import AsyncEngine
+from realtime_rl.serve.arms import ARMS, Arms
 
 _METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
 _GROUP_BUCKETS = (1, 10, 100, 1_000, 10_000, 100_000)
+_ARM_HEADER = b"x-rtrl-arm"
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -56,11 +64,22 @@ class GatewayMetrics:
         self.engine_waiting = Gauge("rtrl_serve_engine_waiting", "Requests queued in the engine", registry=r)
         self.engine_running = Gauge("rtrl_serve_engine_running", "Sequences decoding in the engine", registry=r)
         self.model_version = Gauge("rtrl_serve_model_version", "Policy version the engine serves", registry=r)
+        self.arm_requests = Counter("rtrl_serve_arm_requests", "Requests answered, by the arm that took them",
+                                    ["arm", "status"], registry=r)
+        self.arm_duration = Histogram("rtrl_serve_arm_request_duration_seconds",
+                                      "Duration to the last body byte, by arm", ["arm"], buckets=_BUCKETS, registry=r)
+        self.arm_version = Gauge("rtrl_serve_arm_version", "Policy version each arm serves (NaN: no such arm yet)",
+                                 ["arm"], registry=r)
 
     def bind_engine(self, engine: AsyncEngine) -> None:
         self.engine_waiting.set_function(lambda: engine.engine.num_waiting)
         self.engine_running.set_function(lambda: engine.engine.num_running)
         self.model_version.set_function(lambda: engine.version)
+
+    def bind_arms(self, arms: Arms) -> None:
+        for arm in ARMS:
+            self.arm_version.labels(arm).set_function(
+                lambda arm=arm: math.nan if (v := arms.version(arm)) is None else v)
 
     def observe_commit(self, batches: int, events: int, seconds: float) -> None:
         self.feedback_commit_events.observe(events)
@@ -81,11 +100,15 @@ class MetricsMiddleware:
             return
         t0 = time.perf_counter()
         status = 500  # what the client sees if the app fails before starting a response
+        arm = None
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, arm
             if message["type"] == "http.response.start":
                 status = message["status"]
+                for name, value in message.get("headers", ()):
+                    if name.lower() == _ARM_HEADER and value.decode("latin-1") in ARMS:
+                        arm = value.decode("latin-1")
             await send(message)
 
         try:
@@ -95,4 +118,8 @@ class MetricsMiddleware:
             template = getattr(route, "path", None) or "unmatched"
             method = scope["method"] if scope["method"] in _METHODS else "other"
             self.metrics.requests.labels(template, method, str(status)).inc()
-            self.metrics.duration.labels(template).observe(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.metrics.duration.labels(template).observe(seconds)
+            if arm is not None:
+                self.metrics.arm_requests.labels(arm, str(status)).inc()
+                self.metrics.arm_duration.labels(arm).observe(seconds)

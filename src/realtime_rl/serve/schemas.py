@@ -1,5 +1,5 @@
-"""Wire types of the gateway: OpenAI chat-completions requests (`...Create`) and answers (`...Public`), and
-the feedback API's events (OpenTelemetry attribute names as JSON keys).
+"""Wire types of the gateway: OpenAI chat-completions requests (`...Create`) and answers (`...Public`), the
+feedback API's events (OpenTelemetry attribute names as JSON keys), and the admin traffic split.
 
 Requests are validated here, so a bad field is a 400 naming it: parameter ranges, each role's required
 fields, tool definitions (JSON-schema objects the tool-call parser can use), unknown fields, and what we
@@ -375,3 +375,31 @@ class FeedbackAckPublic(ApiModel):
     """Events written by this request."""
     duplicates: list[str]
     """Ids already recorded with the same content (retries): acknowledged, not stored again."""
+
+
+# ---------------------------------------------------------------------------------------------- admin: traffic
+
+
+class TrafficUpdate(ApiModel):
+    """PUT /v1/admin/traffic (and the content of run_dir/traffic.json)."""
+
+    candidate_fraction: float = Field(ge=0.0, le=1.0)
+    """Share of users the candidate arm serves (0: none, 1: all), by a stable hash of user and salt."""
+    salt: str | None = Field(None, min_length=1, max_length=128)
+    """A new salt draws a new split of users; left out, the current salt stays."""
+
+
+class ArmPublic(ApiModel):
+    version: int | None
+    """The policy version the arm serves; null while the arm does not exist (no candidate yet)."""
+
+
+class ArmsPublic(ApiModel):
+    champion: ArmPublic
+    candidate: ArmPublic
+
+
+class TrafficPublic(ApiModel):
+    candidate_fraction: float
+    salt: str
+    arms: ArmsPublic

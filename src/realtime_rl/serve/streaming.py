@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from realtime_rl.engine import RequestOutput, TokenEvent
+from realtime_rl.engine import AsyncEngine, RequestOutput, TokenEvent
 from realtime_rl.model import Tokenizer
 from realtime_rl.model.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from realtime_rl.serve.completions import (
-    Prepared, RequestInfo, build_choice, build_record, engine_errors, record_completion, usage,
+    ARM_HEADER, Prepared, RequestInfo, build_choice, build_record, engine_errors, record_completion, usage,
 )
 from realtime_rl.serve.deps import ServeState
 from realtime_rl.serve.errors import ApiError
@@ -72,18 +72,20 @@ def _sse(chunk: ChatCompletionChunkPublic | dict) -> str:
     return f"data: {data}\n\n"
 
 
-async def stream_response(state: ServeState, prepared: Prepared, info: RequestInfo) -> StreamingResponse:
-    events = state.engine.stream(prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s)
-    with engine_errors(state.engine.error):
+async def stream_response(state: ServeState, engine: AsyncEngine, prepared: Prepared,
+                          info: RequestInfo) -> StreamingResponse:
+    """Stream from `engine` (the request's arm)."""
+    events = engine.stream(prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s)
+    with engine_errors(engine.error):
         first = await anext(events)  # submits the request: overload and refusals are still HTTP errors
-    return StreamingResponse(_body(state, prepared, info, first, events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(_body(state, engine.version, prepared, info, first, events),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", ARM_HEADER: info.arm})
 
 
-async def _body(state: ServeState, prepared: Prepared, info: RequestInfo, first: TokenEvent,
+async def _body(state: ServeState, version: int, prepared: Prepared, info: RequestInfo, first: TokenEvent,
                 events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
     n = prepared.params.n
-    version = state.engine.version
     created = int(info.created_at)
 
     def chunk(choices: list[ChunkChoicePublic], usage_: UsagePublic | None = None) -> str:

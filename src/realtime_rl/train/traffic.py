@@ -16,12 +16,12 @@ What counts as on-policy (which versions may train the next one) is the caller's
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
 import numpy as np
 
 from realtime_rl.collect import CompletionRecord
+from realtime_rl.rewards import request_metadata
 from realtime_rl.types import Episode, Segment
 
 
@@ -43,15 +43,6 @@ def traffic_segment(record: CompletionRecord, choice_index: int = 0) -> Segment:
         versions=np.concatenate([np.full(P, -1, dtype=np.int64), np.asarray(choice.versions, dtype=np.int64)]),
         routing=routing,
     )
-
-
-def request_metadata(record: CompletionRecord) -> dict[str, object]:
-    """The request's `metadata` object as the client sent it ({} when none)."""
-    try:
-        metadata = json.loads(record.request_json).get("metadata") or {}
-    except (ValueError, AttributeError):
-        return {}
-    return metadata if isinstance(metadata, dict) else {}
 
 
 def traffic_episode(record: CompletionRecord, choice_index: int, reward: float, group_id: str = "") -> Episode:

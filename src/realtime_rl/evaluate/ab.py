@@ -1,0 +1,309 @@
+"""A/B analysis of live traffic: champion vs candidate arm, in the metrics Cursor reports for Composer.
+
+    records = ab_records(store.list_completions(since=t0), store.list_events(since=t0))
+    report = analyze(records, ABConfig(candidate_fraction=0.5))
+    report.decision          # "promote" | "rollback" | "continue"
+    report.reasons, report.to_dict(), Console().print(report.table())
+
+One `ABRecord` per completion: its arm, its user (else session: the unit the router assigns arms by),
+whether the user made an edit from it, whether the edit was kept or reverted, whether a dissatisfied
+follow-up came, and its latency. From feedback events (joined by completion id; session-only events
+are not attributed to a completion and are ignored here):
+
+- an edit was made: edit_accepted, edit_persisted or edit_reverted;
+- kept: edit_persisted and no edit_reverted; reverted: edit_reverted (a revert outweighs a persist);
+- edits kept % = kept / (kept + reverted): edits whose window has not closed yet are pending and left
+  out of numerator and denominator alike (counted in the report), so the rate does not depend on when
+  the analysis runs;
+- dissatisfied follow-ups % = completions with followup_dissatisfied / completions;
+- latency: p50 and mean of the completion's latency_s.
+
+Intervals (level `confidence`): rates per arm by Wilson's score interval, their difference (candidate -
+champion) by Newcomb's hybrid score interval and the Agresti-Caffo test (statsmodels
+confint_proportions_2indep / test_proportions_2indep); p50 per arm by the
+distribution-free order-statistic interval (scipy quantile_test), its difference by a percentile
+bootstrap (scipy bootstrap, seeded); the mean per arm by Student's t, its difference by Welch's t.
+"relative" is (candidate - champion) / champion, as in Cursor's "+2.28% edits kept".
+
+Sample-ratio mismatch: chi-square goodness of fit of users (or completions) per arm against
+`candidate_fraction` (scipy chisquare); p < srm_alpha means the assignment or the logging is broken and
+no metric can be trusted.
+
+Decision, in order: SRM -> "rollback"; either arm below the minimum completions or resolved edits ->
+"continue" (insufficient data); a guardrail significantly worse beyond its tolerance (dissatisfied rate,
+p50 latency: the lower end of the difference's interval above the tolerance) -> "rollback"; edits kept
+significantly worse beyond the margin (upper end below -primary_margin) -> "rollback"; edits kept
+winning (lower end above -primary_margin; margin 0 by default, so a win) -> "promote"; else "continue".
+
+Not here: sequential-testing corrections. Looking at a running experiment every cycle and stopping at
+the first significant result inflates the false-positive rate; keep the number of looks small or widen
+`confidence`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from rich.table import Table
+from rich.text import Text
+from scipy import stats
+from statsmodels.stats.proportion import confint_proportions_2indep, proportion_confint, test_proportions_2indep
+
+from realtime_rl.collect import CompletionRecord, FeedbackEvent
+from realtime_rl.config.loop import ABConfig
+
+ARMS = ("champion", "candidate")
+EDIT_EVENTS = {"edit_accepted", "edit_persisted", "edit_reverted"}
+Decision = Literal["promote", "rollback", "continue"]
+
+
+@dataclass(frozen=True)
+class ABRecord:
+    """One completion as the A/B analysis sees it."""
+
+    completion_id: str
+    arm: str
+    """"champion" or "candidate"."""
+    unit: str | None
+    """The request's user, else its session id: what the router assigns arms by (None: neither was sent)."""
+    edited: bool
+    kept: bool
+    reverted: bool
+    dissatisfied: bool
+    latency_s: float
+
+
+def ab_records(completions: Iterable[CompletionRecord], events: Iterable[FeedbackEvent]) -> list[ABRecord]:
+    """One record per completion, with the feedback events that name it (by completion id)."""
+    kinds: dict[str, set[str]] = defaultdict(set)
+    for event in events:
+        if event.completion_id is not None:
+            kinds[event.completion_id].add(event.type)
+    records = []
+    for c in completions:
+        seen = kinds.get(c.completion_id, set())
+        reverted = "edit_reverted" in seen
+        records.append(ABRecord(
+            completion_id=c.completion_id, arm=getattr(c, "arm", "champion"), unit=c.user or c.session_id,
+            edited=bool(seen & EDIT_EVENTS), kept="edit_persisted" in seen and not reverted, reverted=reverted,
+            dissatisfied="followup_dissatisfied" in seen, latency_s=c.latency_s))
+    return records
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A value with its interval; None where the data cannot give one (an empty arm)."""
+
+    value: float | None
+    low: float | None = None
+    high: float | None = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One metric in both arms and the candidate-minus-champion difference."""
+
+    label: str
+    unit: str
+    """"%" (a rate, stored as a fraction) or "s"."""
+    champion: Estimate
+    candidate: Estimate
+    difference: Estimate
+    relative: float | None
+    """(candidate - champion) / champion."""
+    p_value: float | None
+    """Two-sided test of no difference (None where the interval comes from a bootstrap)."""
+    n_champion: int
+    n_candidate: int
+
+
+@dataclass
+class ABReport:
+    decision: Decision
+    reasons: list[str]
+    metrics: dict[str, Comparison]
+    """edits_kept, dissatisfied, latency_p50_s, latency_mean_s."""
+    arms: dict[str, dict[str, int]]
+    """Per arm: completions, units, edits, resolved_edits, pending_edits, kept, reverted, dissatisfied."""
+    srm: dict[str, Any]
+    confidence: float
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"decision": self.decision, "reasons": list(self.reasons), "confidence": self.confidence,
+                "metrics": {k: asdict(v) for k, v in self.metrics.items()}, "arms": self.arms, "srm": self.srm,
+                "config": self.config}
+
+    def table(self) -> Table:
+        """A rich Table in Cursor's terms: edits kept %, dissatisfied follow-ups %, latency p50 and mean (s)."""
+        level = f"{self.confidence:.0%}"
+        # Text, not markup strings: "[56.7, 63.0]" must print as written.
+        table = Table(title=f"A/B: {self.decision}", caption=Text("; ".join(self.reasons)))
+        for column in ("metric", "champion", "candidate", f"difference [{level} CI]", "relative"):
+            table.add_column(Text(column), justify="left" if column == "metric" else "right")
+        for m in self.metrics.values():
+            scale, digits = (100.0, 1) if m.unit == "%" else (1.0, 3)
+            cells = (m.label, _cell(m.champion, scale, digits, m.n_champion),
+                     _cell(m.candidate, scale, digits, m.n_candidate), _cell(m.difference, scale, digits, sign=True),
+                     "-" if m.relative is None else f"{100 * m.relative:+.2f}%")
+            table.add_row(*map(Text, cells))
+        return table
+
+
+def _cell(e: Estimate, scale: float, digits: int, n: int | None = None, sign: bool = False) -> str:
+    if e.value is None:
+        return "-"
+    fmt = f"{{:{'+' if sign else ''}.{digits}f}}"
+    text = fmt.format(e.value * scale)
+    if e.low is not None and e.high is not None:
+        text += f" [{fmt.format(e.low * scale)}, {fmt.format(e.high * scale)}]"
+    return text + (f" (n={n})" if n is not None else "")
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if x is not None and math.isfinite(float(x)) else None
+
+
+def _relative(champion: float | None, candidate: float | None) -> float | None:
+    if champion is None or candidate is None or champion == 0:
+        return None
+    return (candidate - champion) / champion
+
+
+def _rate(label: str, counts: dict[str, tuple[int, int]], alpha: float) -> Comparison:
+    """counts[arm] = (successes, trials)."""
+    arms = {}
+    for arm, (k, n) in counts.items():
+        low, high = proportion_confint(k, n, alpha=alpha, method="wilson") if n else (None, None)
+        arms[arm] = Estimate(k / n if n else None, _finite(low), _finite(high))
+    (k1, n1), (k0, n0) = counts["candidate"], counts["champion"]
+    difference, p_value = Estimate(None), None
+    if n1 and n0:
+        # Newcomb's interval and the Agresti-Caffo test stay defined at 0% and 100% (the score interval
+        # fails there).
+        # (statsmodels also computes the ratio and odds ratio on the way, which divide by zero there.)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            low, high = confint_proportions_2indep(k1, n1, k0, n0, method="newcomb", compare="diff", alpha=alpha)
+            p_value = _finite(test_proportions_2indep(k1, n1, k0, n0, value=0, method="agresti-caffo",
+                                                      compare="diff").pvalue)
+        difference = Estimate(k1 / n1 - k0 / n0, _finite(low), _finite(high))
+    return Comparison(label, "%", arms["champion"], arms["candidate"], difference,
+                      _relative(arms["champion"].value, arms["candidate"].value), p_value, n0, n1)
+
+
+def _latency(latency: dict[str, np.ndarray], config: ABConfig) -> tuple[Comparison, Comparison]:
+    level = config.confidence
+    p50, mean = {}, {}
+    for arm, x in latency.items():
+        if len(x) >= 2:
+            ci = stats.quantile_test(x, q=float(np.median(x)), p=0.5).confidence_interval(level)
+            p50[arm] = Estimate(float(np.median(x)), _finite(ci.low), _finite(ci.high))
+            ci = stats.ttest_1samp(x, 0.0).confidence_interval(level)
+            mean[arm] = Estimate(float(np.mean(x)), _finite(ci.low), _finite(ci.high))
+        else:
+            p50[arm] = mean[arm] = Estimate(float(x[0]) if len(x) else None)
+    x1, x0 = latency["candidate"], latency["champion"]
+    p50_diff, mean_diff, mean_p = Estimate(None), Estimate(None), None
+    if len(x1) >= 2 and len(x0) >= 2:
+        boot = stats.bootstrap((x1, x0), lambda a, b, axis: np.median(a, axis=axis) - np.median(b, axis=axis),
+                               n_resamples=config.bootstrap_resamples, confidence_level=level, method="percentile",
+                               vectorized=True, batch=200, rng=np.random.default_rng(config.seed))
+        p50_diff = Estimate(float(np.median(x1) - np.median(x0)), _finite(boot.confidence_interval.low),
+                            _finite(boot.confidence_interval.high))
+        welch = stats.ttest_ind(x1, x0, equal_var=False)
+        ci = welch.confidence_interval(level)
+        mean_diff = Estimate(float(np.mean(x1) - np.mean(x0)), _finite(ci.low), _finite(ci.high))
+        mean_p = _finite(welch.pvalue)
+    n0, n1 = len(x0), len(x1)
+    return (Comparison("latency p50 (s)", "s", p50["champion"], p50["candidate"], p50_diff,
+                       _relative(p50["champion"].value, p50["candidate"].value), None, n0, n1),
+            Comparison("latency mean (s)", "s", mean["champion"], mean["candidate"], mean_diff,
+                       _relative(mean["champion"].value, mean["candidate"].value), mean_p, n0, n1))
+
+
+def _srm(records: Sequence[ABRecord], config: ABConfig) -> dict[str, Any]:
+    if config.srm_unit == "users":
+        units = {arm: {r.unit for r in records if r.arm == arm and r.unit is not None} for arm in ARMS}
+        observed = [len(units[arm]) for arm in ARMS]
+        extra = {"units_in_both_arms": len(units["champion"] & units["candidate"]),
+                 "completions_without_user": sum(r.unit is None for r in records)}
+    else:
+        observed = [sum(r.arm == arm for r in records) for arm in ARMS]
+        extra = {}
+    total = sum(observed)
+    expected = [total * (1 - config.candidate_fraction), total * config.candidate_fraction]
+    p_value = float(stats.chisquare(observed, expected).pvalue) if total else None
+    return {"unit": config.srm_unit, "observed": dict(zip(ARMS, observed)), "expected": dict(zip(ARMS, expected)),
+            "candidate_fraction": config.candidate_fraction, "test": "chi-square goodness of fit",
+            "p_value": p_value, "alpha": config.srm_alpha,
+            "alarm": p_value is not None and p_value < config.srm_alpha} | extra
+
+
+def analyze(records: Sequence[ABRecord], config: ABConfig) -> ABReport:
+    """Per-arm metrics with intervals, the candidate-minus-champion differences, the SRM check and the decision."""
+    for r in records:
+        if r.arm not in ARMS:
+            raise ValueError(f"completion {r.completion_id}: arm {r.arm!r} is neither 'champion' nor 'candidate'")
+    by_arm = {arm: [r for r in records if r.arm == arm] for arm in ARMS}
+    arms = {}
+    for arm, rs in by_arm.items():
+        kept, reverted, edits = sum(r.kept for r in rs), sum(r.reverted for r in rs), sum(r.edited for r in rs)
+        arms[arm] = {"completions": len(rs), "units": len({r.unit for r in rs if r.unit is not None}),
+                     "edits": edits, "resolved_edits": kept + reverted, "pending_edits": edits - kept - reverted,
+                     "kept": kept, "reverted": reverted, "dissatisfied": sum(r.dissatisfied for r in rs)}
+    alpha = 1 - config.confidence
+    edits_kept = _rate("edits kept %", {a: (arms[a]["kept"], arms[a]["resolved_edits"]) for a in ARMS}, alpha)
+    dissatisfied = _rate("dissatisfied follow-ups %",
+                         {a: (arms[a]["dissatisfied"], arms[a]["completions"]) for a in ARMS}, alpha)
+    p50, mean = _latency({a: np.array([r.latency_s for r in by_arm[a]], dtype=float) for a in ARMS}, config)
+    metrics = {"edits_kept": edits_kept, "dissatisfied": dissatisfied, "latency_p50_s": p50,
+               "latency_mean_s": mean}
+    srm = _srm(records, config)
+
+    decision, reasons = _decide(arms, edits_kept, dissatisfied, p50, srm, config)
+    return ABReport(decision, reasons, metrics, arms, srm, config.confidence, config.model_dump())
+
+
+def _decide(arms: dict[str, dict[str, int]], edits_kept: Comparison, dissatisfied: Comparison, p50: Comparison,
+            srm: dict[str, Any], config: ABConfig) -> tuple[Decision, list[str]]:
+    if srm["alarm"]:
+        return "rollback", [f"sample-ratio mismatch: {srm['observed']} {srm['unit']} for a candidate share of "
+                            f"{config.candidate_fraction} (chi-square p = {srm['p_value']:.2g} "
+                            f"< {config.srm_alpha})"]
+    short = [f"{arm} has {arms[arm][key]} {key.replace('_', ' ')} < {minimum}" for arm in ARMS
+             for key, minimum in (("completions", config.min_completions_per_arm),
+                                  ("resolved_edits", config.min_edits_per_arm))
+             if arms[arm][key] < minimum]
+    if short:
+        return "continue", ["insufficient data: " + "; ".join(short)]
+
+    def shown(e: Estimate, scale: float, unit: str) -> str:
+        if e.value is None or e.low is None or e.high is None:
+            return "no interval"
+        digits = 2 if scale == 100 else 3
+        return (f"{scale * e.value:+.{digits}f}{unit} ({config.confidence:.0%} CI "
+                f"[{scale * e.low:+.{digits}f}, {scale * e.high:+.{digits}f}])")
+
+    regressions = []
+    kept, unhappy, slow = edits_kept.difference, dissatisfied.difference, p50.difference
+    if unhappy.low is not None and unhappy.low > config.dissatisfied_tolerance:
+        regressions.append(f"dissatisfied follow-ups {shown(unhappy, 100, ' points')}, "
+                           f"tolerance {100 * config.dissatisfied_tolerance:g} points")
+    if slow.low is not None and slow.low > config.latency_tolerance_s:
+        regressions.append(f"latency p50 {shown(slow, 1, ' s')}, tolerance {config.latency_tolerance_s:g} s")
+    if kept.high is not None and kept.high < -config.primary_margin:
+        regressions.append(f"edits kept {shown(kept, 100, ' points')}, "
+                           f"margin {100 * config.primary_margin:g} points")
+    if regressions:
+        return "rollback", ["regression: " + r for r in regressions]
+    if kept.low is not None and kept.low > -config.primary_margin:
+        what = "win" if config.primary_margin == 0 else \
+            f"non-inferior (margin {100 * config.primary_margin:g} points)"
+        return "promote", [f"edits kept {what}: {shown(kept, 100, ' points')}; no guardrail regressed"]
+    return "continue", [f"edits kept not shown {'better' if config.primary_margin == 0 else 'non-inferior'} yet: "
+                        f"{shown(kept, 100, ' points')}; no guardrail regressed"]

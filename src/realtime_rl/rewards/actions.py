@@ -1,0 +1,36 @@
+"""What a completion choice did, in four kinds: the unit the reward rules and the monitors count.
+
+    classify(choice) -> "malformed" | "edit" | "question" | "other"
+
+The rule, first match wins:
+  1. "malformed": the parser rejected at least one tool call (`choice.tool_call_errors`). The gateway
+     then answered the whole text as content, so whatever else the text held never reached the client.
+  2. tool calls the client received (finish_reason "tool_calls"):
+     "edit" if any is write_file or edit_file; else "question" if any is ask_user; else "other".
+  3. no tool calls: "question" if the content, trailing whitespace removed, ends with "?"; else "other".
+
+The tool names are those of environments/tools.py, written out here so that this library does not
+load the agent loop (and torch) to read three strings; a test checks they agree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from realtime_rl.collect import ChoiceRecord
+
+Action = Literal["edit", "question", "malformed", "other"]
+ACTIONS: tuple[str, ...] = get_args(Action)
+EDIT_TOOLS = frozenset({"write_file", "edit_file"})
+QUESTION_TOOL = "ask_user"
+
+
+def classify(choice: ChoiceRecord) -> Action:
+    if choice.tool_call_errors:
+        return "malformed"
+    if choice.finish_reason == "tool_calls" and choice.tool_calls:
+        names = {call.function.name for call in choice.tool_calls}
+        if names & EDIT_TOOLS:
+            return "edit"
+        return "question" if QUESTION_TOOL in names else "other"
+    return "question" if (choice.content or "").rstrip().endswith("?") else "other"
