@@ -1,8 +1,7 @@
 """The `rtrl` command. One entry point; each subcommand reads its config (`--config FILE.toml`,
 `--set key=value`), shows progress, and exits non-zero with a one-line reason on bad input.
 
-Subcommands appear here as their stage lands: `demo`, `pretrain`, `train`, `eval`, `serve` and `bench`
-today; `loop`, `registry` and `simulate-users` arrive with the issues that build them.
+Subcommands: `demo`, `pretrain`, `train`, `eval`, `serve`, `loop`, `registry`, `simulate-users`, `bench`.
 """
 
 from __future__ import annotations
@@ -12,7 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from realtime_rl.config import DemoConfig, EvalConfig, PretrainConfig, ServeConfig, TrainConfig, load_config
+from realtime_rl.config import (
+    DemoConfig, EvalConfig, LoopConfig, PretrainConfig, ServeConfig, SimulateUsersConfig, TrainConfig, load_config,
+)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint", type=Path, help="the checkpoint directory to serve")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (default 8000)")
+
+    loop = sub.add_parser("loop", help="the real-time cycle against a running gateway: settle rewards, judge the "
+                                       "canary, train, gate, deploy, again")
+    _add_config_args(loop)
+    loop.add_argument("--gateway", help="the gateway's base URL (default http://127.0.0.1:8000)")
+    loop.add_argument("--cycles", type=int, help="cycles to run (default: until interrupted)")
+
+    users = sub.add_parser("simulate-users", help="simulated developers who use the gateway (openai client) and "
+                                                  "send feedback")
+    _add_config_args(users)
+    users.add_argument("--gateway", help="the gateway's base URL (default http://127.0.0.1:8000)")
+    users.add_argument("--users", type=int, help="concurrent users")
 
     from realtime_rl.deploy.registry_cli import add_registry_parser
 
@@ -115,6 +128,26 @@ def _run(args: argparse.Namespace) -> int:
         flags = {"checkpoint": args.checkpoint, "host": args.host, "port": args.port}
         overrides = _flag_overrides(flags)
         run_server(load_config(ServeConfig, args.config, [*overrides, *args.overrides]))
+        return 0
+    if args.command == "loop":
+        from realtime_rl.loop import RealtimeLoop
+        from realtime_rl.loop.report import write_report
+
+        overrides = _flag_overrides({"gateway_url": args.gateway, "cycles": args.cycles})
+        config = load_config(LoopConfig, args.config, [*overrides, *args.overrides])
+        loop = RealtimeLoop(config)
+        try:
+            loop.run()
+        finally:
+            loop.close()
+            print(f"report: {write_report(config.run_dir)}")
+        return 0
+    if args.command == "simulate-users":
+        from realtime_rl.environments.users import run_simulated_users
+
+        overrides = _flag_overrides({"base_url": args.gateway, "users": args.users})
+        summary = run_simulated_users(load_config(SimulateUsersConfig, args.config, [*overrides, *args.overrides]))
+        print(json.dumps(summary, indent=2))
         return 0
     if args.command == "bench":
         from realtime_rl.bench import run_benchmark

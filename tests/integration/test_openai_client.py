@@ -11,39 +11,23 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from realtime_rl.collect import SqliteEventStore
 from realtime_rl.config import ServeConfig
 from realtime_rl.model import Qwen3ForCausalLM, render_messages, save_checkpoint
-from realtime_rl.serve import create_app
+from realtime_rl.serve import serve_in_thread
 from tests.conftest import tiny_config
 from tests.unit.test_serve_api import KEYS, MODEL, TOOL_TEXT, WEATHER, two_gram_model
 
 
-@contextmanager
 def serving(settings: ServeConfig):
-    """create_app(settings) under uvicorn on a free port, in a thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    """The gateway under uvicorn on a free port of 127.0.0.1, in a thread; yields the base URL."""
+    return serve_in_thread(settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
 
 
 @pytest.fixture(scope="module")

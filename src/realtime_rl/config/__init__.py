@@ -9,7 +9,7 @@ This module imports nothing of ours and no torch: recipes are validated without 
 
 Layout: base.py (StrictModel, load_config and `--set` overrides), components.py (model, tokenizer,
 sandbox, agent loop, eval), serve.py, training.py (pretrain, RL, rollout, train), rewards.py (reward rules,
-hacking monitors), loop.py (the real-time loop: gate, A/B), demo.py.
+hacking monitors), loop.py (the real-time loop: gate, A/B), users.py (simulated users), demo.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from pydantic import BaseModel
 from realtime_rl.config.base import StrictModel, apply_overrides, format_validation_error, load_config
 from realtime_rl.config.components import AgentConfig, EvalConfig, ModelConfig, SandboxConfig, TokenizerTrainConfig
 from realtime_rl.config.demo import DemoConfig
-from realtime_rl.config.loop import ABConfig, GateConfig
+from realtime_rl.config.loop import ABConfig, GateConfig, LoopConfig
 from realtime_rl.config.rewards import ActionRewards, EventWeights, MonitorConfig, RewardRules
 from realtime_rl.config.serve import ApiKey, ServeConfig
 from realtime_rl.config.training import PretrainConfig, RLConfig, RolloutConfig, TrainConfig
+from realtime_rl.config.users import SimulateUsersConfig
 
 
 # Which root each recipe folder under configs/ holds; a test parses every recipe with it.
@@ -35,8 +36,10 @@ RECIPE_ROOTS: dict[str, type[BaseModel]] = {
     "pretrain": PretrainConfig,
     "train": TrainConfig,
     "rewards": RewardRules,
+    "loop": LoopConfig,
+    "users": SimulateUsersConfig,
 }
 
 __all__ = ["RECIPE_ROOTS", "ABConfig", "ActionRewards", "AgentConfig", "ApiKey", "DemoConfig", "EvalConfig", "EventWeights",
-           "GateConfig", "ModelConfig", "MonitorConfig", "PretrainConfig", "RLConfig", "RewardRules", "RolloutConfig", "SandboxConfig", "ServeConfig", "StrictModel", "TokenizerTrainConfig",
+           "GateConfig", "LoopConfig", "ModelConfig", "MonitorConfig", "PretrainConfig", "RLConfig", "RewardRules", "RolloutConfig", "SandboxConfig", "ServeConfig", "SimulateUsersConfig", "StrictModel", "TokenizerTrainConfig",
            "TrainConfig", "apply_overrides", "format_validation_error", "load_config"]

@@ -1,12 +1,17 @@
-"""Configs of the real-time loop's decisions: the eval gate (GateConfig) and the A/B analysis (ABConfig)."""
+"""Configs of the real-time loop: the eval gate (GateConfig), the A/B analysis (ABConfig) and the loop
+itself (LoopConfig, `rtrl loop`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from realtime_rl.config.base import StrictModel
+from realtime_rl.config.components import AgentConfig
+from realtime_rl.config.rewards import MonitorConfig, RewardRules
+from realtime_rl.config.training import RLConfig
 
 
 class GateConfig(StrictModel):
@@ -66,3 +71,67 @@ class ABConfig(StrictModel):
     """Resamples of the bootstrap interval of the p50 latency difference."""
     seed: int = 0
     """Seed of the bootstrap, so that a report is reproducible."""
+
+
+class LoopConfig(StrictModel):
+    """`rtrl loop`: the real-time cycle against a running gateway and its event store.
+
+    Each cycle: wait out the collection window; settle rewards (the ledger); judge the canary deployed
+    last cycle on its A/B window (promote or roll back); train a candidate on the settled, on-policy
+    traffic of the live version; gate it against the live champion; deploy it as the next canary. Start
+    the gateway with `weights = <run_dir>/weights/champion` and `candidate_weights =
+    <run_dir>/weights/candidate` (and the same store) so that deploys reach it."""
+
+    run_dir: Path = Path("runs/loop")
+    """The registry, the reward ledger, candidate checkpoints, weight stores, the report and metrics."""
+    base_checkpoint: Path | None = None
+    """The first live version when the registry is empty (None: the default base model, built if missing)."""
+    gateway_url: str = Field("http://127.0.0.1:8000", min_length=1, max_length=4096)
+    """The gateway whose traffic split the loop sets (PUT /v1/admin/traffic)."""
+    admin_key: str | None = Field(None, min_length=16, max_length=256)
+    """A key with the gateway's admin scope (None: the gateway allows unauthenticated requests)."""
+    store: str = Field("sqlite", min_length=1, max_length=4096)
+    """The gateway's event store: "sqlite" (store_dir/events.sqlite) or its Postgres URL."""
+    store_dir: Path = Path("runs/serve")
+    """The gateway's run_dir, where its SQLite event store lives."""
+    cycles: int | None = Field(None, ge=1, le=1_000_000)
+    """Cycles to run (None: until stopped)."""
+    cycle_period_s: float = Field(5 * 3600.0, ge=1.0, le=7 * 86400.0)
+    """Collection window of one cycle (Cursor: about five hours; minutes on a laptop)."""
+    rewards: RewardRules = Field(default_factory=RewardRules)
+    """The reward rules the ledger settles with (a [rewards] table; see configs/rewards/)."""
+    monitors: MonitorConfig = Field(default_factory=MonitorConfig)
+    """Reward-hacking monitors, on the canary's traffic and on the gate's evaluation."""
+    rl: RLConfig = Field(default_factory=lambda: RLConfig(lr=1e-4, std_normalize=True))
+    """The trainer. All of a cycle's trajectories share one baseline (live prompts rarely repeat)."""
+    train_steps: int = Field(4, ge=1, le=10_000)
+    """Optimizer steps per candidate: the cycle's trajectories are split into this many batches."""
+    min_trajectories: int = Field(32, ge=1, le=10_000_000)
+    """Settled on-policy trajectories needed to train a candidate; fewer: the cycle only collects."""
+    max_staleness: int = Field(1, ge=0, le=1000)
+    """Traffic of the live version and of its last max_staleness ancestors trains (importance-corrected);
+    anything else (rolled-back canaries, older versions) is off-policy and never trains."""
+    gate: GateConfig = Field(default_factory=GateConfig)
+    """The eval gate's test."""
+    gate_tasks: int = Field(60, ge=4, le=100_000)
+    """Held-out tasks the gate plays with both champion and candidate."""
+    gate_max_difficulty: int = Field(2, ge=1, le=4)
+    """Held-out tasks cycle through difficulties 1..this."""
+    canary_tasks: int = Field(12, ge=0, le=100_000)
+    """Hack canaries: held-out tasks of the hardest difficulty, which neither policy is expected to solve.
+    A policy is "paid for a hack" on one when it dodges it (asks, or breaks its tool call) instead of trying:
+    what the naive reward pays for. The candidate may not dodge more of them than the champion."""
+    agent: AgentConfig = Field(default_factory=lambda: AgentConfig(max_turns=1, max_new_tokens=400,
+                                                                   summary_trigger_tokens=3072,
+                                                                   max_context_tokens=4096))
+    """The agent loop of the gate's episodes (default: the first turn, as users see it)."""
+    ab: ABConfig = Field(default_factory=ABConfig)
+    """The canary's A/B analysis; ab.candidate_fraction is the share of users the canary gets."""
+    max_canary_cycles: int = Field(2, ge=1, le=1000)
+    """A canary still undecided after this many cycles is rolled back (no evidence of a win)."""
+    http_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Timeout of every call to the gateway."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """torch threads for training and the gate (None: torch's default)."""
+    seed: int = 0
+    """Seed of the gate and canary suites (apart from the users' tasks)."""

@@ -3,6 +3,7 @@
     create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: EventStore | None = None,
                candidate_engine: AsyncEngine | None = None) -> FastAPI
     run_server(settings: ServeConfig) -> None          # `rtrl serve`
+    serve_in_thread(settings) -> base URL              # a context manager: the gateway on a thread
 
 Routes: POST /v1/chat/completions (JSON or SSE), POST /v1/feedback (one event or a batch; docs/feedback.md),
 GET /v1/models[/{model}], GET and PUT /v1/admin/traffic, GET /health, GET /metrics. Keys:
@@ -20,6 +21,6 @@ and penalties (400).
 """
 
 from realtime_rl.serve.app import create_app
-from realtime_rl.serve.server import run_server
+from realtime_rl.serve.server import run_server, serve_in_thread
 
-__all__ = ["create_app", "run_server"]
+__all__ = ["create_app", "run_server", "serve_in_thread"]

@@ -2,6 +2,9 @@
 with uvicorn until SIGINT or SIGTERM, then drains in-flight requests, stops the engine, closes the store
 and returns normally. Bad settings (no keys, no checkpoint, an unreadable one, an unreachable Postgres)
 raise ValueError before anything binds.
+
+`serve_in_thread(settings)`: the same app under uvicorn on a thread of this process (the demo runs the
+gateway beside the loop and the simulated users); a context manager yielding the base URL.
 """
 
 from __future__ import annotations
@@ -9,6 +12,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import uvicorn
 
@@ -46,3 +52,28 @@ def run_server(settings: ServeConfig) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("gateway stopped; events are in %s", settings.run_dir if settings.store == "sqlite" else "Postgres")
+
+
+@contextmanager
+def serve_in_thread(settings: ServeConfig, start_timeout_s: float = 120.0) -> Iterator[str]:
+    """Serve create_app(settings) on settings.host (port 0: a free one) in a daemon thread; yields the base
+    URL, then drains and stops the server on exit. The lifespan builds and closes the engine and store."""
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                                           log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=int(settings.request_timeout_s) + 5))
+    thread = threading.Thread(target=server.run, name="rtrl-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the gateway failed to start (see the log above)")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError(f"the gateway did not start within {start_timeout_s:.0f} s")
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{settings.host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(settings.request_timeout_s + 10)

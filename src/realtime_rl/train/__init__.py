@@ -4,11 +4,14 @@
 Public API:
     pretrain(PretrainConfig()) -> summary;  ensure_base_model(PretrainConfig()) -> checkpoint dir
     RLTrainer.open(run_dir, base_checkpoint, RLConfig()); trainer.step(episodes); trainer.save()
+    traffic_episodes([(completion_record, choice_index, reward), ...]) -> episodes   # served traffic, exactly
 """
 
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, policy_loss
 from realtime_rl.train.pretrain import ensure_base_model, latest_checkpoint, prepare_corpus, pretrain
 from realtime_rl.train.rl import RLTrainer, episode_reward, staleness
+from realtime_rl.train.traffic import traffic_episode, traffic_episodes, traffic_segment
 
 __all__ = ["LossConfig", "RLTrainer", "ensure_base_model", "episode_reward", "group_advantages", "k3",
-           "latest_checkpoint", "policy_loss", "prepare_corpus", "pretrain", "staleness"]
+           "latest_checkpoint", "policy_loss", "prepare_corpus", "pretrain", "staleness", "traffic_episode",
+           "traffic_episodes", "traffic_segment"]

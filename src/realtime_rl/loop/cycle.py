@@ -1,0 +1,382 @@
+"""`rtrl loop`: the real-time cycle against a running gateway and its event store, again and again.
+
+    loop = RealtimeLoop(LoopConfig(...))     # registry, ledger, store, weight stores; bootstraps version 0
+    loop.run()                               # config.cycles cycles (or until stopped)
+    loop.run_cycle()                         # one cycle; returns its report (also appended to cycles.jsonl)
+
+One cycle, top to bottom (`run_cycle`):
+
+1. collect   wait out the window while users talk to the gateway (champion, and the canary if any);
+2. settle    the delayed-reward ledger settles every completion whose windows closed (late and early
+             events handled there), with the configured reward rules;
+3. judge     the canary deployed last cycle: A/B on this window's traffic (edits kept, dissatisfied
+             follow-ups, latency, sample-ratio check) plus the hacking monitors, canary arm against
+             champion arm. Promote: its weights go to the champion's weight store as a lossless delta and
+             the canary's share drops to 0. Roll back: the share drops to 0. Undecided: keep collecting
+             (at most max_canary_cycles);
+4. train     with no canary running: the settled rewards of the live version's traffic (and of its last
+             max_staleness ancestors: on-policy within the bound, importance-corrected by the trainer)
+             become episodes with the exact served tokens, logprobs and routing; a few RL steps from the
+             live checkpoint make the candidate, registered with its lineage and data window;
+5. gate      candidate and live champion play the same held-out tasks with the same seeds; a paired
+             non-inferiority test, hack canaries (hard tasks a dodging policy does not even try) and
+             the monitors on the evaluation decide; the decision and its evidence go into the registry;
+6. deploy    a candidate that passes is published to the candidate weight store (a lossless delta,
+             verified and hot-swapped by the gateway) and gets ab.candidate_fraction of the users.
+
+Everything the loop decides is written down: registry transitions carry their evidence, cycles.jsonl
+one report per cycle, metrics.jsonl the numbers. A restarted loop continues from state.json, the
+registry and the ledger. Not here: serving (the gateway), users (simulated or real).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from rich.console import Console
+
+from realtime_rl.collect import EventStore, open_event_store
+from realtime_rl.config import LoopConfig, PretrainConfig
+from realtime_rl.deploy import DataWindow, FilesystemTransport, PolicyVersion, Registry, WeightPublisher
+from realtime_rl.environments import generate_tasks, load_tasks
+from realtime_rl.evaluate import EpisodeOutcome, ab_records, analyze, decide, evaluate_checkpoint
+from realtime_rl.model import load_checkpoint, save_checkpoint
+from realtime_rl.monitor import JsonlSink
+from realtime_rl.rewards import Interaction, RewardLedger, Traffic, compare, read_traffic, traffic_interactions
+from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
+
+
+SUITE_START = 400
+"""Gate and canary tasks are held-out tasks from this index on (difficulty 1 has 972)."""
+
+
+class GatewayClient:
+    """The loop's calls to the gateway's admin API; every call has a timeout and fails loudly."""
+
+    def __init__(self, url: str, admin_key: str | None, timeout_s: float,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            r = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"gateway {self.http.base_url}: {method} {path} failed: {e}") from e
+        if r.status_code != 200:
+            raise RuntimeError(f"gateway {self.http.base_url}: {method} {path} answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def traffic(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/admin/traffic")
+
+    def set_candidate_fraction(self, fraction: float) -> dict[str, Any]:
+        return self._call("PUT", "/v1/admin/traffic", json={"candidate_fraction": fraction})
+
+    def close(self) -> None:
+        self.http.close()
+
+
+@dataclass
+class LoopState:
+    """What a restarted loop needs besides the registry and the ledger (state.json, written atomically)."""
+
+    cycle: int = 0
+    window_start: float | None = None
+    """When the current collection window opened."""
+    canary: int | None = None
+    """The version serving as canary, if any."""
+    canary_since: float | None = None
+    canary_cycles: int = 0
+    trained_through: int = 0
+    """The ledger's settle_seq up to which settled rewards were considered for training."""
+
+    @classmethod
+    def load(cls, path: Path) -> LoopState:
+        return cls(**json.loads(path.read_text())) if path.is_file() else cls()
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+
+
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    model = load_checkpoint(checkpoint, dtype=torch.float32).model
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _interaction(outcome: EpisodeOutcome, difficulty: str | None) -> Interaction:
+    """An evaluation episode as the monitors see it: asked, broke a call, acted (any tool call), or neither."""
+    if outcome.ended_by == "ask_user":
+        kind = "question"
+    elif outcome.malformed_tool_calls:
+        kind = "malformed"
+    else:
+        kind = "edit" if outcome.tool_calls else "other"
+    return Interaction(kind, outcome.malformed_tool_calls, outcome.tokens, difficulty, None)
+
+
+def dodged(outcome: EpisodeOutcome) -> bool:
+    """What a hack canary counts: the policy did not try (asked, or broke its tool call)."""
+    return outcome.ended_by == "ask_user" or outcome.malformed_tool_calls > 0
+
+
+class RealtimeLoop:
+    def __init__(self, config: LoopConfig, console: Console | None = None, gateway: GatewayClient | None = None,
+                 store: EventStore | None = None) -> None:
+        self.config = config
+        self.console = console or Console()
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.registry = Registry.open(self.run_dir)
+        self.ledger = RewardLedger(self.run_dir / "rewards.sqlite")
+        self._own_store = store is None
+        self.store = store or open_event_store(config.store_dir, config.store)
+        self.gateway = gateway or GatewayClient(config.gateway_url, config.admin_key, config.http_timeout_s)
+        self.state = LoopState.load(self.run_dir / "state.json")
+        self.champion_weights = WeightPublisher(FilesystemTransport(self.run_dir / "weights" / "champion"), dtype=None)
+        self.candidate_weights = WeightPublisher(FilesystemTransport(self.run_dir / "weights" / "candidate"),
+                                                 dtype=None)
+        self.champion_weights.resume()
+        self.candidate_weights.resume()
+        self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
+        if self.registry.live() is None:
+            base = config.base_checkpoint or ensure_base_model(PretrainConfig())
+            live = self.registry.bootstrap(base, version=0)
+            self.champion_weights.publish(_weights(live.checkpoint), live.version)
+        self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1))
+        self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4])
+
+    @staticmethod
+    def champion_store(run_dir: Path) -> Path:
+        """The weight store the gateway's champion arm follows (ServeConfig.weights)."""
+        return Path(run_dir) / "weights" / "champion"
+
+    @staticmethod
+    def candidate_store(run_dir: Path) -> Path:
+        """The weight store the gateway's candidate arm follows (ServeConfig.candidate_weights)."""
+        return Path(run_dir) / "weights" / "candidate"
+
+    def _suite(self, name: str, count: int, difficulties: Any) -> list:
+        root = self.run_dir / name
+        if count and not root.exists():
+            levels = list(difficulties)
+            staging = self.run_dir / f".{name}"
+            for i, d in enumerate(levels):  # a seed and indices apart from the users' tasks (seed 0, from 0)
+                n = count // len(levels) + (i < count % len(levels))
+                generate_tasks(staging, n, split="heldout", seed=self.config.seed + 7919, start=SUITE_START,
+                               difficulty=d)
+            os.replace(staging, root)
+        return load_tasks(root) if count else []
+
+    # ------------------------------------------------------------------------------------------ the cycle
+
+    def run(self, stop: threading.Event | None = None) -> list[dict[str, Any]]:
+        reports = []
+        while self.config.cycles is None or len(reports) < self.config.cycles:
+            if stop is not None and stop.is_set():
+                break
+            reports.append(self.run_cycle(stop))
+        return reports
+
+    def run_cycle(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        cfg, state = self.config, self.state
+        state.cycle += 1
+        if state.window_start is None:
+            state.window_start = time.time()
+        report: dict[str, Any] = {"cycle": state.cycle, "window_start": state.window_start,
+                                  "live_version": self.registry.live().version}
+        self.console.rule(f"cycle {state.cycle}: live v{report['live_version']}"
+                          + (f", canary v{state.canary}" if state.canary is not None else ""))
+
+        # 1. collect: users talk to the gateway while the window is open
+        remaining = state.window_start + cfg.cycle_period_s - time.time()
+        if remaining > 0 and (stop.wait(remaining) if stop is not None else time.sleep(remaining)):
+            state.cycle -= 1
+            return report | {"stopped": True}
+        window_end = time.time()
+        t0 = time.perf_counter()
+
+        # 2. settle the rewards whose windows closed
+        update = self.ledger.update(self.store, cfg.rewards, window_end)
+        stats = self.ledger.stats()
+        report["rewards"] = {"new_completions": update.completions, "settled": len(update.settled),
+                             **asdict(stats), "rules": cfg.rewards.version}
+
+        # 3. judge the canary on this window's traffic
+        if state.canary is not None:
+            report["canary"] = self._judge_canary(window_end)
+
+        # 4-6. train, gate and deploy a candidate (one canary at a time)
+        if state.canary is None:
+            candidate = self._train(report, window_end)
+            if candidate is not None:
+                report["gate"] = self._gate_and_deploy(candidate)
+
+        state.window_start = time.time()  # the next window opens now: a canary deployed above gets a whole one
+        state.save(self.run_dir / "state.json")
+        report["minutes_after_window"] = (time.perf_counter() - t0) / 60
+        report["live_version_after"] = self.registry.live().version
+        with open(self.run_dir / "cycles.jsonl", "a") as f:
+            f.write(json.dumps(report, default=str) + "\n")
+        self.sink.log(_numbers(report), step=state.cycle)
+        return report
+
+    def _judge_canary(self, window_end: float) -> dict[str, Any]:
+        state, cfg = self.state, self.config
+        version = state.canary
+        traffic = read_traffic(self.store, since=state.canary_since, until=window_end)
+        events = [e for evs in traffic.events.values() for e in evs]
+        ab = analyze(ab_records(traffic.completions, events), cfg.ab)
+        champion = [c for c in traffic.completions if getattr(c, "arm", "champion") == "champion"]
+        candidate = [c for c in traffic.completions if getattr(c, "arm", "champion") == "candidate"]
+        by_arm = {arm: traffic_interactions(Traffic(cs, traffic.events, traffic.session_ends))
+                  for arm, cs in (("champion", champion), ("candidate", candidate))}
+        monitors = compare(by_arm["champion"], by_arm["candidate"], cfg.monitors)
+        state.canary_cycles += 1
+        evidence = {"ab": ab.to_dict(), "monitors": monitors.to_dict()}
+        verdict = ab.decision
+        if monitors.blocking:
+            verdict = "rollback"
+            reason = "hacking monitors on the canary's traffic: " + "; ".join(r.reason for r in monitors.alarms)
+        elif verdict == "continue" and state.canary_cycles >= cfg.max_canary_cycles:
+            verdict, reason = "rollback", f"no decision after {state.canary_cycles} cycles: " + "; ".join(ab.reasons)
+        else:
+            reason = "; ".join(ab.reasons)
+        self.console.print(ab.table())
+        if verdict == "promote":
+            new = self.registry.get(version)
+            self.champion_weights.publish(_weights(new.checkpoint), version)  # a lossless delta to the champion arm
+            self.registry.promote(version, reason=f"A/B: {reason}", evidence=evidence)
+            self.gateway.set_candidate_fraction(0.0)
+        elif verdict == "rollback":
+            self.gateway.set_candidate_fraction(0.0)
+            self.registry.rollback(version, reason=f"A/B: {reason}", evidence=evidence)
+        if verdict != "continue":
+            state.canary, state.canary_since, state.canary_cycles = None, None, 0
+        self.console.print(f"canary v{version}: [bold]{verdict}[/bold] ({reason})")
+        return {"version": version, "decision": verdict, "reason": reason, **evidence}
+
+    def _train(self, report: dict[str, Any], window_end: float) -> PolicyVersion | None:
+        cfg, state = self.config, self.state
+        live = self.registry.live()
+        allowed = [v.version for v in self.registry.lineage(live.version)][: cfg.max_staleness + 1]
+        settled = self.ledger.settled(after_seq=state.trained_through)
+        on_policy = [s for s in settled if s.model_version in allowed]
+        report["train"] = {"settled": len(settled), "on_policy": len(on_policy), "allowed_versions": allowed}
+        if len(on_policy) < cfg.min_trajectories:
+            report["train"]["skipped"] = f"{len(on_policy)} on-policy trajectories < min_trajectories"
+            if settled and not on_policy:
+                state.trained_through = settled[-1].settle_seq  # nothing there can ever train
+            return None
+        records = {s.completion_id: self.store.get_completion(s.completion_id) for s in on_policy}
+        rewarded = [(records[s.completion_id], s.choice_index, s.reward) for s in on_policy]
+        episodes = traffic_episodes(rewarded, group_id=f"cycle-{state.cycle}")
+        version = max(v.version for v in self.registry.list()) + 1
+        ckpt = load_checkpoint(live.checkpoint, dtype=torch.float32)
+        trainer = RLTrainer(ckpt.model, ckpt.tokenizer, cfg.rl, self.run_dir / "train", version=live.version)
+        history = []
+        for i in range(cfg.train_steps):
+            chunk = episodes[i::cfg.train_steps]
+            if chunk:
+                history.append(trainer.step(chunk))
+        out = self.run_dir / "candidates" / f"v-{version:06d}"
+        save_checkpoint(out, trainer.model, trainer.tokenizer)
+        rewards = [s.reward for s in on_policy]
+        metrics = {"train/trajectories": len(episodes), "train/reward_mean": sum(rewards) / len(rewards),
+                   "train/steps": len(history),
+                   **{k: v for k, v in history[-1].items() if k.startswith(("train/loss", "train/mismatch",
+                                                                           "train/kl", "train/entropy"))}}
+        report["train"].update(metrics)
+        state.trained_through = settled[-1].settle_seq
+        window = DataWindow(min(s.created_at for s in on_policy), window_end, len(on_policy))
+        candidate = self.registry.register(out, parent=live.version, window=window, reward_version=cfg.rewards.version,
+                                           reward_digest=cfg.rewards.digest(), metrics=metrics, version=version)
+        self.console.print(f"trained candidate v{version} from v{live.version} on {len(episodes)} trajectories "
+                           f"(mean reward {metrics['train/reward_mean']:+.3f})")
+        return candidate
+
+    def _evaluate(self, version: PolicyVersion) -> tuple[list[EpisodeOutcome], list[EpisodeOutcome]]:
+        """The version's gate and canary outcomes (cached: a champion is evaluated once)."""
+        cache = self.run_dir / "evals" / f"v-{version.version:06d}.json"
+        if cache.is_file():
+            data = json.loads(cache.read_text())
+            return [EpisodeOutcome(**o) for o in data["gate"]], [EpisodeOutcome(**o) for o in data["canary"]]
+        cfg = self.config
+        run = lambda tasks: evaluate_checkpoint(version.checkpoint, tasks, seed=cfg.gate.seed,  # noqa: E731
+                                                agent_config=cfg.agent, threads=cfg.gate.threads,
+                                                concurrency=cfg.gate.concurrency) if tasks else []
+        gate, canary = run(self.gate_tasks), run(self.canary_tasks)
+        cache.parent.mkdir(exist_ok=True)
+        cache.write_text(json.dumps({"gate": [asdict(o) for o in gate], "canary": [asdict(o) for o in canary]}))
+        return gate, canary
+
+    def _gate_and_deploy(self, candidate: PolicyVersion) -> dict[str, Any]:
+        cfg, state = self.config, self.state
+        champion = self.registry.live()
+        champ_gate, champ_canary = self._evaluate(champion)
+        cand_gate, cand_canary = self._evaluate(candidate)
+        difficulty = {t.task_id: str(t.metadata.get("difficulty")) for t in self.gate_tasks}
+        monitors = compare([_interaction(o, difficulty.get(o.task_id)) for o in champ_gate],
+                           [_interaction(o, difficulty.get(o.task_id)) for o in cand_gate], cfg.monitors)
+        decision = decide(champ_gate, cand_gate, [dodged(o) for o in champ_canary], [dodged(o) for o in cand_canary],
+                          cfg.gate, alarms=[f"{r.metric}: {r.reason}" for r in monitors.alarms])
+        evidence = decision.to_dict() | {"monitors": monitors.to_dict()}
+        self.registry.set_metrics(candidate.version, {
+            "gate/pass_at_1": sum(o.passed for o in cand_gate) / max(1, len(cand_gate)),
+            "gate/champion_pass_at_1": sum(o.passed for o in champ_gate) / max(1, len(champ_gate)),
+            "gate/canary_dodged": sum(map(dodged, cand_canary))})
+        if decision.promote:
+            self.registry.transition(candidate.version, "canary", reason="gate: " + "; ".join(decision.reasons),
+                                     evidence=evidence)
+            self.candidate_weights.publish(_weights(candidate.checkpoint), candidate.version)
+            self._await_candidate(candidate.version)
+            self.gateway.set_candidate_fraction(cfg.ab.candidate_fraction)
+            state.canary, state.canary_since, state.canary_cycles = candidate.version, time.time(), 0
+        else:
+            self.registry.transition(candidate.version, "rolled_back", reason="gate: " + "; ".join(decision.reasons),
+                                     evidence=evidence)
+        verdict = "canary" if decision.promote else "rejected"
+        self.console.print(f"gate v{candidate.version} vs v{champion.version}: [bold]{verdict}[/bold] "
+                           f"({'; '.join(decision.reasons)})")
+        return {"version": candidate.version, "champion": champion.version, "decision": verdict, **evidence}
+
+    def _await_candidate(self, version: int, timeout_s: float | None = None) -> None:
+        """Wait until the gateway's candidate arm serves `version` before sending it users."""
+        deadline = time.monotonic() + (timeout_s or self.config.http_timeout_s)
+        while time.monotonic() < deadline:
+            if self.gateway.traffic()["arms"]["candidate"]["version"] == version:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the gateway's candidate arm did not load v{version} within its timeout; is it "
+                           f"following {self.candidate_store(self.run_dir)}?")
+
+    def close(self) -> None:
+        self.sink.close()
+        self.ledger.close()
+        self.registry.close()
+        if self._own_store:
+            self.store.close()
+
+
+def _numbers(report: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The report's numeric leaves as flat metric keys (loop/train/reward_mean, ...)."""
+    out: dict[str, float] = {}
+    for key, value in report.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= _numbers(value, name + "/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out

@@ -1,0 +1,122 @@
+"""The real-time loop end to end on a real gateway (uvicorn, SQLite store, champion and candidate weight
+stores) with users on the official `openai` client who post feedback through the API.
+
+Cycle 1 trains a candidate from the settled traffic of version 0, the gate (same held-out tasks, same
+seeds) passes it, and it goes out as a canary: the gateway's candidate arm hot-swaps to it and gets
+users. The users of this test prefer whatever the candidate arm answers (they keep its edits and revert
+the champion's), so cycle 2's A/B promotes it: the champion arm now serves it, the registry says live.
+Cycle 2 also trains and canaries the next candidate; the users turn against it and cycle 3's A/B rolls
+it back. Every decision is in the
+registry with its evidence, in cycles.jsonl and in report.html.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from realtime_rl.config import ABConfig, ApiKey, GateConfig, LoopConfig, RewardRules, RLConfig, ServeConfig
+from realtime_rl.loop import RealtimeLoop
+from realtime_rl.loop.report import write_report
+from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
+from realtime_rl.serve import serve_in_thread
+from tests.conftest import tiny_config
+
+KEYS = [ApiKey(name="users", key="k-users-0123456789abc", scopes=["inference", "feedback"]),
+        ApiKey(name="loop", key="k-loop-admin-0123456789", scopes=["admin"])]
+USERS = [f"dev-{i}" for i in range(24)]
+
+
+def event(kind: str, completion_id: str, **fields: object) -> dict:
+    """A feedback event in the wire format (OpenTelemetry GenAI names; docs/feedback.md)."""
+    return {"log.record.uid": uuid.uuid4().hex, "event.name": kind, "gen_ai.response.id": completion_id, **fields}
+
+
+class Users:
+    """Users who ask, then keep or revert the answer by which arm gave it (the test's stand-in for taste)."""
+
+    def __init__(self, url: str) -> None:
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[0].key, timeout=30, max_retries=2)
+        self.feedback = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEYS[0].key}"}, timeout=30)
+        self.prefer = "candidate"
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        for user in itertools.cycle(USERS):
+            if self.stop.is_set():
+                return
+            try:
+                raw = self.client.chat.completions.with_raw_response.create(
+                    model="rtrl-policy", messages=[{"role": "user", "content": "Write a function that sorts."}],
+                    max_tokens=4, user=user, metadata={"task_id": "sort", "difficulty": "1"})
+                arm, completion = raw.headers["x-rtrl-arm"], raw.parse()
+                liked = arm == self.prefer
+                events = [event("edit_accepted", completion.id),
+                          event("edit_persisted", completion.id, window_s=1.0) if liked
+                          else event("edit_reverted", completion.id)]
+                r = self.feedback.post("/v1/feedback", json={"events": events})
+                assert r.status_code == 200, r.text
+            except Exception as e:  # noqa: BLE001 (reported by the test, never swallowed)
+                self.errors.append(repr(e))
+                return
+
+
+@pytest.mark.slow
+def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokenizer):
+    model = Qwen3ForCausalLM(tiny_config(moe=True, vocab_size=tokenizer.vocab_size))
+    model.reset_parameters(seed=0)
+    base = save_checkpoint(tmp_path / "base", model, tokenizer)
+    loop_dir, serve_dir = tmp_path / "loop", tmp_path / "serve"
+    settings = ServeConfig(checkpoint=base, run_dir=serve_dir, api_keys=KEYS, port=0, max_seq_len=512,
+                           weights=str(RealtimeLoop.champion_store(loop_dir)),
+                           candidate_weights=str(RealtimeLoop.candidate_store(loop_dir)), weights_poll_s=0.2)
+    rules = RewardRules(version="test-v1", persist_window_s=1.0, followup_window_s=0.0, horizon_s=30.0)
+    with serve_in_thread(settings) as url:
+        config = LoopConfig(
+            run_dir=loop_dir, base_checkpoint=base, gateway_url=url, admin_key=KEYS[1].key, store_dir=serve_dir,
+            cycles=1, cycle_period_s=4.0, rewards=rules, rl=RLConfig(lr=1e-3), train_steps=2, min_trajectories=16,
+            gate=GateConfig(margin=0.5, concurrency=4), gate_tasks=4, canary_tasks=2,
+            agent=LoopConfig().agent.model_copy(update={"max_new_tokens": 24}),
+            ab=ABConfig(candidate_fraction=0.5, min_completions_per_arm=10, min_edits_per_arm=8),
+            max_canary_cycles=3)
+        users = Users(url)
+        users.thread.start()
+        loop = RealtimeLoop(config)
+        try:
+            first = loop.run_cycle()
+            assert not users.errors, users.errors
+            assert first["train"]["on_policy"] >= 16 and first["gate"]["decision"] == "canary", first
+            candidate = first["gate"]["version"]
+            assert loop.registry.get(candidate).state == "canary" and loop.registry.get(candidate).parent == 0
+            assert loop.gateway.traffic()["arms"]["candidate"]["version"] == candidate
+
+            second = loop.run_cycle()  # users kept the canary's edits, reverted the champion's
+            assert second["canary"]["decision"] == "promote", second["canary"]["reason"]
+            assert loop.registry.live().version == candidate
+            assert loop.gateway.traffic()["arms"]["champion"]["version"] == candidate  # delta reached the gateway
+
+            assert second["gate"]["decision"] == "canary" and second["gate"]["champion"] == candidate
+            users.prefer = "champion"  # now they revert the next canary's edits
+            third = loop.run_cycle()
+            assert third["canary"]["decision"] == "rollback", third["canary"]["reason"]
+            rolled = third["canary"]["version"]
+            assert loop.registry.get(rolled).state == "rolled_back"
+            assert loop.registry.live().version == candidate  # the rollback of a canary leaves the champion live
+            assert [t.to_state for t in loop.registry.history(rolled)] == ["candidate", "canary", "rolled_back"]
+            assert third["gate"]["champion"] == candidate  # and the next candidate is trained from it again
+            assert [t.to_state for t in loop.registry.history(candidate)] == ["candidate", "canary", "live"]
+            assert loop.registry.history(candidate)[-1].evidence["ab"]["decision"] == "promote"
+        finally:
+            users.stop.set()
+            users.thread.join(30)
+            loop.close()
+    assert not users.errors, users.errors
+    report = write_report(loop_dir).read_text()
+    assert "<svg" in report and "Canary" in report and "promote" in report and "rollback" in report
