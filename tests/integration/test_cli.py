@@ -16,17 +16,22 @@ def run(*args, timeout=300):
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path):
-    proc = run("demo", "--set", f'run_dir="{tmp_path}"', "--set", "train_tasks=24", "--set", "pretrain_steps=6",
-               "--set", "eval_tasks=2", "--set", "max_turns=2", "--set", "max_new_tokens=48")
-    assert proc.returncode == 0, proc.stderr
-    assert "what ran" in proc.stdout and "Not yet" in proc.stdout
-    m = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["metrics"]
-    assert m["tasks/heldout"] == 2 and m["pretrain/documents"] == 24
-    assert 0.0 <= m["agent/pass_at_1"] <= 1.0 and m["agent/tokens"] > 0
-    assert m["rl/max_abs_logprob_diff_replay"] < 1e-4
-    assert m["serve/swap_pause_ms"] > 0
-    assert (tmp_path / "pretrain" / "checkpoints" / "step-0000006" / "model.safetensors").is_file()
+def test_demo_runs_the_real_time_loop_end_to_end(tmp_path):
+    """`rtrl demo` at smoke size: a base model, the gateway, simulated users, two cycles of the loop."""
+    sets = ['run_dir="{}"'.format(tmp_path), "pretrain.num_tasks=40", "pretrain.steps=4", "pretrain.batch_size=4",
+            "pretrain.warmup_steps=1", "pretrain.tokenizer.vocab_size=600", "loop.cycles=2", "loop.cycle_period_s=10",
+            "loop.min_trajectories=4", "loop.gate_tasks=4", "loop.canary_tasks=2", "loop.gate.margin=0.5",
+            "loop.agent.max_new_tokens=32", "loop.ab.min_completions_per_arm=2", "loop.ab.min_edits_per_arm=1",
+            "loop.rewards.persist_window_s=1", "loop.rewards.followup_window_s=0", "loop.rewards.horizon_s=20",
+            "users.users=3", "users.max_tokens=32", "users.persist_window_s=1", "users.task_count=6",
+            "users.think_time_s=[0.0, 0.2]"]
+    proc = run("demo", *[a for s in sets for a in ("--set", s)], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cycle by cycle" in proc.stdout and "report:" in proc.stdout
+    cycles = [json.loads(line) for line in (tmp_path / "loop" / "cycles.jsonl").read_text().splitlines()]
+    assert [c["cycle"] for c in cycles] == [1, 2] and cycles[0]["rewards"]["new_completions"] > 0
+    assert "<svg" in (tmp_path / "loop" / "report.html").read_text() or cycles[0].get("train", {}).get("skipped")
+    assert (tmp_path / "serve" / "events.sqlite").is_file()
 
 
 @pytest.mark.slow

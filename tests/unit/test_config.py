@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from realtime_rl.config import RECIPE_ROOTS, DemoConfig, ModelConfig, load_config
+from realtime_rl.config import RECIPE_ROOTS, DemoConfig, LoopConfig, ModelConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted(CONFIGS.rglob("*.toml"))
@@ -43,14 +43,29 @@ def test_unknown_keys_are_rejected(tmp_path):
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(DemoConfig, None, ["model.num_experts=4", "seed=7", 'run_dir="out/x"', "model.rope_theta=1e4"])
-    assert cfg.model.num_experts == 4 and cfg.seed == 7 and str(cfg.run_dir) == "out/x"
-    assert cfg.model.rope_theta == 1e4
+    cfg = load_config(DemoConfig, None, ["pretrain.model.num_experts=4", "seed=7", 'run_dir="out/x"',
+                                         "pretrain.model.rope_theta=1e4"])
+    assert cfg.pretrain.model.num_experts == 4 and cfg.seed == 7 and str(cfg.run_dir) == "out/x"
+    assert cfg.pretrain.model.rope_theta == 1e4
+
+
+def test_a_nested_table_changes_only_the_keys_it_names(tmp_path):
+    """The demo's loop is not LoopConfig's production default: setting one key of it keeps the rest."""
+    demo = DemoConfig()
+    cfg = load_config(DemoConfig, None, ["loop.cycles=5", "loop.gate.margin=0.2"])
+    assert cfg.loop.cycles == 5 and cfg.loop.gate.margin == 0.2
+    assert cfg.loop.cycle_period_s == demo.loop.cycle_period_s != LoopConfig().cycle_period_s
+    assert cfg.loop.gate.concurrency == demo.loop.gate.concurrency and cfg.users == demo.users
+    path = tmp_path / "demo.toml"
+    path.write_text('[users]\nusers = 3\nstyle_mix = {none = 1.0}\n')
+    cfg = load_config(DemoConfig, path)
+    assert cfg.users.users == 3 and cfg.users.style_mix == {"none": 1.0}  # a dict value is replaced, not merged
+    assert cfg.users.think_time_s == demo.users.think_time_s
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.num_experts=-1", "greater than or equal"),
-    ("model.num_key_value_heads=3", "multiple of"),
+    ("pretrain.model.num_experts=-1", "greater than or equal"),
+    ("pretrain.model.num_key_value_heads=3", "multiple of"),
     ("nonsense", "key=value"),
     ("seed.x=1", "seed: Input should be a valid integer"),
 ])

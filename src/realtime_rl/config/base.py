@@ -55,10 +55,29 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ValueError(f"{path}: invalid TOML: {e}") from None
     apply_overrides(data, overrides or [])
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(_onto_defaults(cls, data))
     except ValidationError as e:
         where = f"{path}: " if path is not None else ""
         raise ValueError(where + format_validation_error(e)) from None
+
+
+def _onto_defaults(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """A table that configures a nested model is applied onto that field's default, not onto the nested
+    class's defaults: `--set loop.cycles=5` keeps every other setting of the demo's own loop."""
+    try:
+        defaults = cls()
+    except ValidationError:  # a root with required fields: nothing to merge onto
+        return data
+
+    def merge(model: BaseModel, table: dict[str, Any]) -> dict[str, Any]:
+        out = model.model_dump(mode="json")
+        for key, value in table.items():
+            sub = getattr(model, key, None)
+            out[key] = merge(sub, value) if isinstance(sub, BaseModel) and isinstance(value, dict) else value
+        return out
+
+    return {key: merge(sub, value) if isinstance(sub := getattr(defaults, key, None), BaseModel)
+            and isinstance(value, dict) else value for key, value in data.items()}
 
 
 def format_validation_error(e: ValidationError) -> str:

@@ -1,4 +1,4 @@
-"""`rtrl demo`: the end-to-end job on a laptop-sized budget."""
+"""`rtrl demo`: the real-time loop end to end on embedded defaults, sized for 2 CPU cores."""
 
 from __future__ import annotations
 
@@ -7,31 +7,58 @@ from pathlib import Path
 from pydantic import Field
 
 from realtime_rl.config.base import StrictModel
-from realtime_rl.config.components import ModelConfig, TokenizerTrainConfig
+from realtime_rl.config.components import AgentConfig
+from realtime_rl.config.loop import ABConfig, GateConfig, LoopConfig
+from realtime_rl.config.rewards import RewardRules
+from realtime_rl.config.training import PretrainConfig, RLConfig
+from realtime_rl.config.users import SimulateUsersConfig
+
+
+def _demo_pretrain() -> PretrainConfig:
+    # First-turn documents only (what the simulated users see), difficulties 1-2, a few clarifying questions.
+    return PretrainConfig(num_tasks=4000, episode_fraction=0.0, max_difficulty=2, question_fraction=0.05, steps=300,
+                          warmup_steps=30, checkpoint_every=300, log_every=50)
+
+
+def _demo_rules() -> RewardRules:
+    # The fixed reward rules with laptop-length windows (production: 10 minutes to persist, an hour to censor).
+    return RewardRules(version="default-v1-demo", persist_window_s=15.0, followup_window_s=5.0, horizon_s=90.0)
+
+
+def _demo_loop() -> LoopConfig:
+    return LoopConfig(
+        cycles=3, cycle_period_s=150.0, rewards=_demo_rules(), rl=RLConfig(lr=1e-4), train_steps=4,
+        min_trajectories=48, max_staleness=1, gate=GateConfig(margin=0.1, concurrency=16), gate_tasks=48,
+        canary_tasks=8, agent=AgentConfig(max_turns=1, max_new_tokens=400, summary_trigger_tokens=3072,
+                                          max_context_tokens=4096),
+        ab=ABConfig(candidate_fraction=0.5, min_completions_per_arm=30, min_edits_per_arm=15, primary_margin=0.05),
+        max_canary_cycles=1)
+
+
+def _demo_users() -> SimulateUsersConfig:
+    return SimulateUsersConfig(users=8, sessions=None, duration_s=30 * 86400, task_count=200, think_time_s=(0.2, 1.0),
+                               persist_window_s=15.0, style_mix={"none": 0.6, "type_hints": 0.2, "no_print": 0.2},
+                               patience=(1, 2), max_tokens=400)
 
 
 class DemoConfig(StrictModel):
-    """`rtrl demo`: the most complete end-to-end job the code can run today, on a laptop-sized budget."""
+    """`rtrl demo`: builds a small base model, serves it on the gateway (champion and canary arms), lets
+    simulated developers use it through the official openai client and send feedback, and runs the
+    real-time loop for `loop.cycles` cycles (settle rewards, judge the canary by A/B, train a candidate on
+    the served traffic, gate it, deploy it as a lossless delta), printing each decision and an A/B table,
+    then writes report.html. Everything lives under run_dir; a second run reuses the base model."""
 
     run_dir: Path = Path("runs/demo")
-    """Where tasks, the corpus, checkpoints and metrics are written."""
+    """Base model, gateway store, loop state, registry, report."""
     seed: int = 0
-    """Seed for tasks, weights, corpus and sampling."""
-    train_tasks: int = Field(120, ge=4, le=1_000_000)
-    """Synthetic train tasks whose scripted episodes make the pre-training corpus."""
-    eval_tasks: int = Field(6, ge=1, le=10_000)
-    """Held-out synthetic tasks the model then attempts through the engine and the agent loop."""
-    pretrain_steps: int = Field(60, ge=1, le=1_000_000)
-    """Pre-training steps (a smoke-sized run; `rtrl pretrain` builds the real base model)."""
-    tokenizer: TokenizerTrainConfig = Field(default_factory=lambda: TokenizerTrainConfig(vocab_size=2048))
-    """Tokenizer training."""
-    model: ModelConfig = Field(default_factory=lambda: ModelConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False))
-    """Architecture of the demo model (MoE, to exercise router replay)."""
-    max_turns: int = Field(4, ge=1, le=50)
-    """Agent turns per held-out episode."""
-    max_new_tokens: int = Field(160, ge=1, le=4096)
-    """Tokens the policy may generate per turn."""
-    rl_steps: int = Field(2, ge=1, le=1000)
-    """Asynchronous RL steps after pre-training (a smoke-sized run; `rtrl train` runs the real thing)."""
+    """Seed of the users, the loop's suites and sampling."""
+    pretrain: PretrainConfig = Field(default_factory=_demo_pretrain)
+    """The demo's base model (its run_dir is replaced by run_dir/pretrain)."""
+    loop: LoopConfig = Field(default_factory=_demo_loop)
+    """The real-time loop (its run_dir, gateway and store are filled in by the demo)."""
+    users: SimulateUsersConfig = Field(default_factory=_demo_users)
+    """The simulated users (their gateway URL, key and task folder are filled in by the demo)."""
+    max_batch: int = Field(16, ge=1, le=1024)
+    """Concurrent sequences per arm on the gateway's engines."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """torch threads (None: torch's default)."""
