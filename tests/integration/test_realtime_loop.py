@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from realtime_rl.config import ABConfig, ApiKey, GateConfig, LoopConfig, RewardRules, RLConfig, ServeConfig
+from realtime_rl.deploy import Registry
 from realtime_rl.loop import RealtimeLoop
 from realtime_rl.loop.report import write_report
 from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
@@ -96,6 +97,13 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
             candidate = first["gate"]["version"]
             assert loop.registry.get(candidate).state == "canary" and loop.registry.get(candidate).parent == 0
             assert loop.gateway.traffic()["arms"]["candidate"]["version"] == candidate
+
+            loop.close()  # a restarted loop picks up where the registry and state.json say it was
+            with Registry.open(loop_dir) as registry:  # a candidate registered just before a kill, never gated
+                orphan = registry.register(base, parent=0)
+            loop = RealtimeLoop(config)
+            assert loop.state.canary == candidate and loop.state.cycle == 1
+            assert loop.registry.get(orphan.version).state == "rolled_back"
 
             second = loop.run_cycle()  # users kept the canary's edits, reverted the champion's
             assert second["canary"]["decision"] == "promote", second["canary"]["reason"]

@@ -103,7 +103,8 @@ class LoopConfig(StrictModel):
     monitors: MonitorConfig = Field(default_factory=MonitorConfig)
     """Reward-hacking monitors, on the canary's traffic and on the gate's evaluation."""
     rl: RLConfig = Field(default_factory=lambda: RLConfig(lr=1e-4, std_normalize=True))
-    """The trainer. All of a cycle's trajectories share one baseline (live prompts rarely repeat)."""
+    """The trainer. The trajectories of one optimizer step share one baseline, their mean reward (live
+    prompts rarely repeat, so there are no per-prompt groups)."""
     train_steps: int = Field(4, ge=1, le=10_000)
     """Optimizer steps per candidate: the cycle's trajectories are split into this many batches."""
     min_trajectories: int = Field(32, ge=1, le=10_000_000)

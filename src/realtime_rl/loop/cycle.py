@@ -31,8 +31,10 @@ registry and the ledger. Not here: serving (the gateway), users (simulated or re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -78,8 +80,11 @@ class GatewayClient:
     def traffic(self) -> dict[str, Any]:
         return self._call("GET", "/v1/admin/traffic")
 
-    def set_candidate_fraction(self, fraction: float) -> dict[str, Any]:
-        return self._call("PUT", "/v1/admin/traffic", json={"candidate_fraction": fraction})
+    def set_candidate_fraction(self, fraction: float, salt: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"candidate_fraction": fraction}
+        if salt is not None:
+            body["salt"] = salt
+        return self._call("PUT", "/v1/admin/traffic", json=body)
 
     def close(self) -> None:
         self.http.close()
@@ -157,6 +162,7 @@ class RealtimeLoop:
             self.champion_weights.publish(_weights(live.checkpoint), live.version)
         self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1))
         self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4])
+        self._reconcile()
 
     @staticmethod
     def champion_store(run_dir: Path) -> Path:
@@ -169,16 +175,29 @@ class RealtimeLoop:
         return Path(run_dir) / "weights" / "candidate"
 
     def _suite(self, name: str, count: int, difficulties: Any) -> list:
+        """The gate's (or canaries') held-out tasks, generated once; regenerated when their spec changes."""
         root = self.run_dir / name
+        spec = {"count": count, "difficulties": list(difficulties), "seed": self.config.seed + 7919,
+                "start": SUITE_START}
+        if root.exists() and json.loads((root / ".suite.json").read_text() if (root / ".suite.json").is_file()
+                                        else "{}") != spec:
+            shutil.rmtree(root)
         if count and not root.exists():
-            levels = list(difficulties)
+            levels = spec["difficulties"]
             staging = self.run_dir / f".{name}"
+            shutil.rmtree(staging, ignore_errors=True)
             for i, d in enumerate(levels):  # a seed and indices apart from the users' tasks (seed 0, from 0)
                 n = count // len(levels) + (i < count % len(levels))
-                generate_tasks(staging, n, split="heldout", seed=self.config.seed + 7919, start=SUITE_START,
-                               difficulty=d)
+                generate_tasks(staging, n, split="heldout", seed=spec["seed"], start=SUITE_START, difficulty=d)
+            (staging / ".suite.json").write_text(json.dumps(spec))
             os.replace(staging, root)
         return load_tasks(root) if count else []
+
+    def _eval_key(self) -> str:
+        """What a cached evaluation depends on besides the version: the suites, the agent, the seed."""
+        spec = {"gate": [t.task_id for t in self.gate_tasks], "canary": [t.task_id for t in self.canary_tasks],
+                "agent": self.config.agent.model_dump(mode="json"), "seed": self.config.gate.seed}
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
     # ------------------------------------------------------------------------------------------ the cycle
 
@@ -225,13 +244,31 @@ class RealtimeLoop:
                 report["gate"] = self._gate_and_deploy(candidate)
 
         state.window_start = time.time()  # the next window opens now: a canary deployed above gets a whole one
-        state.save(self.run_dir / "state.json")
+        self._save()
         report["minutes_after_window"] = (time.perf_counter() - t0) / 60
         report["live_version_after"] = self.registry.live().version
         with open(self.run_dir / "cycles.jsonl", "a") as f:
             f.write(json.dumps(report, default=str) + "\n")
         self.sink.log(_numbers(report), step=state.cycle)
         return report
+
+    def _save(self) -> None:
+        self.state.save(self.run_dir / "state.json")
+
+    def _reconcile(self) -> None:
+        """After a crash mid-cycle, the registry (written first, atomically) is the truth: the canary is
+        whatever version it says is canary, and a candidate that never reached the gate's decision is
+        rolled back (its traffic share was never raised)."""
+        canaries = self.registry.list("canary")
+        if canaries:
+            if self.state.canary != canaries[-1].version:
+                self.state.canary, self.state.canary_since, self.state.canary_cycles = canaries[-1].version, time.time(), 0
+        else:
+            self.state.canary, self.state.canary_since, self.state.canary_cycles = None, None, 0
+        for orphan in self.registry.list("candidate"):
+            self.registry.transition(orphan.version, "rolled_back",
+                                     reason="interrupted: the loop stopped before the gate decided")
+        self._save()
 
     def _judge_canary(self, window_end: float) -> dict[str, Any]:
         state, cfg = self.state, self.config
@@ -257,7 +294,8 @@ class RealtimeLoop:
         self.console.print(ab.table())
         if verdict == "promote":
             new = self.registry.get(version)
-            self.champion_weights.publish(_weights(new.checkpoint), version)  # a lossless delta to the champion arm
+            if self.champion_weights.last is None or self.champion_weights.last.version < version:
+                self.champion_weights.publish(_weights(new.checkpoint), version)  # a lossless delta to the champion arm
             self.registry.promote(version, reason=f"A/B: {reason}", evidence=evidence)
             self.gateway.set_candidate_fraction(0.0)
         elif verdict == "rollback":
@@ -265,6 +303,7 @@ class RealtimeLoop:
             self.registry.rollback(version, reason=f"A/B: {reason}", evidence=evidence)
         if verdict != "continue":
             state.canary, state.canary_since, state.canary_cycles = None, None, 0
+        self._save()
         self.console.print(f"canary v{version}: [bold]{verdict}[/bold] ({reason})")
         return {"version": version, "decision": verdict, "reason": reason, **evidence}
 
@@ -300,6 +339,7 @@ class RealtimeLoop:
                                                                            "train/kl", "train/entropy"))}}
         report["train"].update(metrics)
         state.trained_through = settled[-1].settle_seq
+        self._save()
         window = DataWindow(min(s.created_at for s in on_policy), window_end, len(on_policy))
         candidate = self.registry.register(out, parent=live.version, window=window, reward_version=cfg.rewards.version,
                                            reward_digest=cfg.rewards.digest(), metrics=metrics, version=version)
@@ -309,7 +349,7 @@ class RealtimeLoop:
 
     def _evaluate(self, version: PolicyVersion) -> tuple[list[EpisodeOutcome], list[EpisodeOutcome]]:
         """The version's gate and canary outcomes (cached: a champion is evaluated once)."""
-        cache = self.run_dir / "evals" / f"v-{version.version:06d}.json"
+        cache = self.run_dir / "evals" / f"v-{version.version:06d}-{self._eval_key()}.json"
         if cache.is_file():
             data = json.loads(cache.read_text())
             return [EpisodeOutcome(**o) for o in data["gate"]], [EpisodeOutcome(**o) for o in data["canary"]]
@@ -342,8 +382,10 @@ class RealtimeLoop:
                                      evidence=evidence)
             self.candidate_weights.publish(_weights(candidate.checkpoint), candidate.version)
             self._await_candidate(candidate.version)
-            self.gateway.set_candidate_fraction(cfg.ab.candidate_fraction)
+            # A fresh salt per canary: each one gets its own random half of the users, not the last one's.
+            self.gateway.set_candidate_fraction(cfg.ab.candidate_fraction, salt=f"canary-v{candidate.version}")
             state.canary, state.canary_since, state.canary_cycles = candidate.version, time.time(), 0
+            self._save()
         else:
             self.registry.transition(candidate.version, "rolled_back", reason="gate: " + "; ".join(decision.reasons),
                                      evidence=evidence)
@@ -371,10 +413,12 @@ class RealtimeLoop:
 
 
 def _numbers(report: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """The report's numeric leaves as flat metric keys (loop/train/reward_mean, ...)."""
+    """The report's numeric leaves as flat metric keys (rewards/settled, train/reward_mean, gate/evidence/p_value)."""
     out: dict[str, float] = {}
     for key, value in report.items():
-        name = f"{prefix}{key}"
+        if key in ("window_start", "cycle"):
+            continue
+        name = key if prefix and key.startswith(prefix) else f"{prefix}{key}"  # train/train/x -> train/x
         if isinstance(value, dict):
             out |= _numbers(value, name + "/")
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
