@@ -82,7 +82,7 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
     with serve_in_thread(settings) as url:
         config = LoopConfig(
             run_dir=loop_dir, base_checkpoint=base, gateway_url=url, admin_key=KEYS[1].key, store_dir=serve_dir,
-            cycles=1, cycle_period_s=4.0, rewards=rules, rl=RLConfig(lr=1e-3), train_steps=2, min_trajectories=16,
+            cycles=1, cycle_period_s=8.0, rewards=rules, rl=RLConfig(lr=1e-3), train_steps=2, min_trajectories=16,
             gate=GateConfig(margin=0.5, concurrency=4), gate_tasks=4, canary_tasks=2,
             agent=LoopConfig().agent.model_copy(update={"max_new_tokens": 24}),
             ab=ABConfig(candidate_fraction=0.5, min_completions_per_arm=10, min_edits_per_arm=8),
