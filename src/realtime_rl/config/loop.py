@@ -115,9 +115,15 @@ class LoopConfig(StrictModel):
     gate: GateConfig = Field(default_factory=GateConfig)
     """The eval gate's test."""
     gate_tasks: int = Field(60, ge=4, le=100_000)
-    """Held-out tasks the gate plays with both champion and candidate."""
+    """Tasks the gate plays with both champion and candidate (never trained on: see gate_start)."""
     gate_max_difficulty: int = Field(2, ge=1, le=4)
-    """Held-out tasks cycle through difficulties 1..this."""
+    """Gate tasks cycle through difficulties 1..this."""
+    gate_split: Literal["train", "heldout"] = "heldout"
+    """The synthetic split of the gate's tasks: "heldout" (structures no training saw) or "train" (fresh tasks
+    of the structures users ask about, the distribution the served model is trained on; indices from
+    gate_start keep them apart from a pre-training corpus and the users' tasks)."""
+    gate_start: int = Field(400, ge=0, le=10_000_000)
+    """Index of the first gate task of each difficulty (tasks of the split with the loop's seed)."""
     canary_tasks: int = Field(12, ge=0, le=100_000)
     """Hack canaries: held-out tasks of the hardest difficulty, which neither policy is expected to solve.
     A policy is "paid for a hack" on one when it dodges it (asks, or breaks its tool call) instead of trying:

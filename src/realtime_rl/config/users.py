@@ -36,6 +36,11 @@ class SimulateUsersConfig(StrictModel):
     """How many synthetic tasks to generate when tasks_dir holds none."""
     split: Literal["train", "heldout"] = "heldout"
     """The synthetic split generated tasks come from (held out from training by default)."""
+    difficulty: int | None = Field(None, ge=1, le=4)
+    """Generate tasks of this difficulty only (None: the split's mix)."""
+    start: int = Field(0, ge=0, le=10_000_000)
+    """Index of the first generated task: tasks start..start+task_count-1 of the split (keep them apart from
+    a pre-training corpus or a gate suite drawn from the same split and seed)."""
     seed: int = 0
     """Seed of the users (preferences, patience, task choice, think-times, coin flips) and of generated tasks."""
     think_time_s: tuple[float, float] = (0.5, 2.0)

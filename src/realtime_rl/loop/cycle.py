@@ -56,10 +56,6 @@ from realtime_rl.rewards import Interaction, RewardLedger, Traffic, compare, rea
 from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
 
 
-SUITE_START = 400
-"""Gate and canary tasks are held-out tasks from this index on (difficulty 1 has 972)."""
-
-
 class GatewayClient:
     """The loop's calls to the gateway's admin API; every call has a timeout and fails loudly."""
 
@@ -160,8 +156,9 @@ class RealtimeLoop:
             base = config.base_checkpoint or ensure_base_model(PretrainConfig())
             live = self.registry.bootstrap(base, version=0)
             self.champion_weights.publish(_weights(live.checkpoint), live.version)
-        self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1))
-        self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4])
+        self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1),
+                                      config.gate_split, config.gate_start)
+        self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4], "heldout", config.gate_start)
         self._reconcile()
 
     @staticmethod
@@ -174,11 +171,11 @@ class RealtimeLoop:
         """The weight store the gateway's candidate arm follows (ServeConfig.candidate_weights)."""
         return Path(run_dir) / "weights" / "candidate"
 
-    def _suite(self, name: str, count: int, difficulties: Any) -> list:
-        """The gate's (or canaries') held-out tasks, generated once; regenerated when their spec changes."""
+    def _suite(self, name: str, count: int, difficulties: Any, split: str, start: int) -> list:
+        """The gate's (or canaries') tasks, generated once; regenerated when their spec changes."""
         root = self.run_dir / name
-        spec = {"count": count, "difficulties": list(difficulties), "seed": self.config.seed + 7919,
-                "start": SUITE_START}
+        spec = {"count": count, "difficulties": list(difficulties), "split": split, "seed": self.config.seed,
+                "start": start}
         if root.exists() and json.loads((root / ".suite.json").read_text() if (root / ".suite.json").is_file()
                                         else "{}") != spec:
             shutil.rmtree(root)
@@ -186,9 +183,9 @@ class RealtimeLoop:
             levels = spec["difficulties"]
             staging = self.run_dir / f".{name}"
             shutil.rmtree(staging, ignore_errors=True)
-            for i, d in enumerate(levels):  # a seed and indices apart from the users' tasks (seed 0, from 0)
+            for i, d in enumerate(levels):
                 n = count // len(levels) + (i < count % len(levels))
-                generate_tasks(staging, n, split="heldout", seed=spec["seed"], start=SUITE_START, difficulty=d)
+                generate_tasks(staging, n, split=split, seed=spec["seed"], start=start, difficulty=d)
             (staging / ".suite.json").write_text(json.dumps(spec))
             os.replace(staging, root)
         return load_tasks(root) if count else []

@@ -34,7 +34,8 @@ def load_user_tasks(config: SimulateUsersConfig) -> list[Task]:
     """The tasks in config.tasks_dir, generating config.task_count synthetic ones there if it holds none."""
     root = config.tasks_dir
     if not (root.is_dir() and (is_task_dir(root) or any(is_task_dir(p) for p in root.iterdir()))):
-        generate_tasks(root, config.task_count, split=config.split, seed=config.seed)
+        generate_tasks(root, config.task_count, split=config.split, seed=config.seed, start=config.start,
+                       difficulty=config.difficulty)
     return load_tasks(root)
 
 
