@@ -18,3 +18,6 @@ def setup_logging(level: str | int = "INFO") -> None:
         handler = logging.StreamHandler(sys.stderr)
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=level, format=fmt, handlers=[handler], force=True)
+    # HTTP clients log every request at INFO: thousands of lines a minute from the simulated users.
+    for chatty in ("httpx", "httpx2", "httpcore", "openai"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
