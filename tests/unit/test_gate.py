@@ -12,7 +12,9 @@ from statsmodels.stats.contingency_tables import mcnemar
 
 from realtime_rl.config import AgentConfig
 from realtime_rl.config.loop import GateConfig
-from realtime_rl.evaluate.gate import EpisodeOutcome, decide, evaluate_checkpoint, tango_interval, tango_statistic
+from realtime_rl.evaluate.gate import (
+    EpisodeOutcome, decide, evaluate_checkpoint, tango_interval, tango_statistic, task_seed,
+)
 
 
 def outcomes(both: int, champion_only: int, candidate_only: int, neither: int) -> tuple[list, list]:
@@ -137,7 +139,8 @@ def test_runner_pairs_two_runs_of_a_checkpoint_task_by_task(tiny_checkpoint, tmp
                         max_summaries=0)
     first = evaluate_checkpoint(tiny_checkpoint, tasks, seed=3, agent_config=agent, concurrency=2)
     again = evaluate_checkpoint(tiny_checkpoint, tasks, seed=3, agent_config=agent, concurrency=2)
-    assert [o.task_id for o in first] == [t.task_id for t in tasks] and all(o.seed == 3 for o in first)
+    assert [o.task_id for o in first] == [t.task_id for t in tasks]
+    assert [o.seed for o in first] == [task_seed(3, k) for k in range(2)] == [3, 1003]  # tasks draw independently
     assert first == again  # same seeds, same weights: the same episodes, so a gate compares like with like
     assert all(o.turns == 1 and o.tokens > 0 for o in first)
     d = decide(first, again, [], [], CONFIG)

@@ -46,6 +46,8 @@ from realtime_rl.config.loop import GateConfig
 from realtime_rl.environments import Task
 from realtime_rl.evaluate.harness import evaluate_policy
 
+TURN_SEEDS = 1000
+"""Seeds reserved per task: turn t of task k samples with task_seed(seed, k) + t."""
 TEST_NAME = "Tango score test for the difference of paired proportions (non-inferiority, one-sided)"
 
 
@@ -180,12 +182,18 @@ def decide(champion_outcomes: Sequence[EpisodeOutcome], candidate_outcomes: Sequ
     return GateDecision(promote, reasons, evidence)
 
 
+def task_seed(seed: int, k: int) -> int:
+    """The sampling seed of the k-th task's episode: tasks draw independently (one seed for all would make
+    their outcomes move together and void the tests' independence), the same for every checkpoint."""
+    return seed + TURN_SEEDS * k
+
+
 def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, seed: int, agent_config: AgentConfig,
                         threads: int | None = None, concurrency: int = 16, top_p: float = 1.0
                         ) -> list[EpisodeOutcome]:
     """One episode per task with the checkpoint's model on the engine (at agent_config.temperature),
-    graded with the visible and hidden tests. Episode sampling seeds are `seed`, seed + 1, ... per turn, the
-    same for every checkpoint, so two checkpoints' outcomes pair up task by task."""
+    graded with the visible and hidden tests. Task k samples with task_seed(seed, k) (+1 per turn), the same
+    for every checkpoint, so two checkpoints' outcomes pair up task by task."""
     # The engine and torch load only here: `decide` stays importable (and testable) without a model.
     import torch
 
@@ -202,14 +210,16 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
                     seed=seed)
     with AsyncEngine(engine, max_pending=4 * concurrency) as aengine, WarmPool(SandboxConfig(pool_size=2)) as pool:
         report = evaluate_policy(
-            tasks, lambda i: EnginePolicy(aengine, temperature=agent_config.temperature, top_p=top_p, seed=seed),
+            tasks, lambda k: EnginePolicy(aengine, temperature=agent_config.temperature, top_p=top_p,
+                                          seed=task_seed(seed, k)),
             ckpt.tokenizer, pool, Sandbox(SandboxConfig()), agent_config, samples=1, workers=concurrency,
             include_hidden=True)
+    index = {task.task_id: k for k, task in enumerate(tasks)}
     outcomes = []
     for result in report.results:
         episode = result.episodes[0]
-        outcomes.append(EpisodeOutcome(result.task_id, seed, result.grades[0].passed, episode["ended_by"],
-                                       episode["turns"], episode["tool_calls"], episode["malformed_tool_calls"],
-                                       episode["tokens"]))
+        outcomes.append(EpisodeOutcome(result.task_id, task_seed(seed, index[result.task_id]), result.grades[0].passed,
+                                       episode["ended_by"], episode["turns"], episode["tool_calls"],
+                                       episode["malformed_tool_calls"], episode["tokens"]))
     return outcomes
 

@@ -107,12 +107,14 @@ def evaluate_policy(
     workers: int = 1,
     include_hidden: bool = True,
 ) -> EvalReport:
-    """Run `samples` episodes per task (policy from make_policy(sample_index)), grade each in a fresh sandbox."""
-    jobs = [(task, i) for task in tasks for i in range(samples)]
+    """Run `samples` episodes per task and grade each in a fresh sandbox. The policy of sample i of task k is
+    make_policy(k * samples + i): each episode gets its own index, so seeded policies draw independently
+    across tasks as well as across samples (the same seed for every task would correlate their outcomes)."""
+    jobs = [(task, k * samples + i) for k, task in enumerate(tasks) for i in range(samples)]
 
     def one(job: tuple[Task, int]) -> tuple[str, GradeResult, dict[str, Any]]:
-        task, i = job
-        result = run_episode(make_policy(i), tokenizer, task, runner, agent)
+        task, index = job
+        result = run_episode(make_policy(index), tokenizer, task, runner, agent)
         g = grade(task, result.workspace.snapshot(), grader, include_hidden, agent.test_timeout_s)
         result.episode.passed = g.passed
         return task.task_id, g, episode_summary(result.episode)
