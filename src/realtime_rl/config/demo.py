@@ -29,10 +29,10 @@ def _demo_rules() -> RewardRules:
 
 def _demo_loop() -> LoopConfig:
     return LoopConfig(
-        cycles=3, cycle_period_s=120.0, rewards=_demo_rules(), rl=RLConfig(lr=1e-4), train_steps=4,
-        min_trajectories=48, max_staleness=1, gate=GateConfig(margin=0.1, concurrency=16), gate_tasks=48,
+        cycles=3, cycle_period_s=90.0, rewards=_demo_rules(), rl=RLConfig(lr=1e-4), train_steps=4,
+        min_trajectories=48, max_staleness=1, gate=GateConfig(margin=0.1, concurrency=16), gate_tasks=40,
         gate_max_difficulty=1, gate_split="train", gate_start=6000,
-        canary_tasks=8, agent=AgentConfig(max_turns=1, max_new_tokens=400, summary_trigger_tokens=3072,
+        canary_tasks=8, agent=AgentConfig(max_turns=1, max_new_tokens=300, summary_trigger_tokens=3072,
                                           max_context_tokens=4096),
         ab=ABConfig(candidate_fraction=0.5, min_completions_per_arm=30, min_edits_per_arm=15, primary_margin=0.05),
         max_canary_cycles=1)
@@ -40,10 +40,10 @@ def _demo_loop() -> LoopConfig:
 
 def _demo_users() -> SimulateUsersConfig:
     # Fresh train-split tasks of difficulty 1 (indices 5000.., apart from the corpus and the gate's 6000..).
-    return SimulateUsersConfig(users=8, sessions=None, duration_s=30 * 86400, task_count=200, split="train",
-                               difficulty=1, start=5000, think_time_s=(0.2, 1.0),
+    return SimulateUsersConfig(users=5, sessions=None, duration_s=30 * 86400, task_count=200, split="train",
+                               difficulty=1, start=5000, think_time_s=(0.5, 1.5),
                                persist_window_s=15.0, style_mix={"none": 0.6, "type_hints": 0.2, "no_print": 0.2},
-                               patience=(1, 2), max_tokens=400)
+                               patience=(1, 2), max_tokens=300)
 
 
 class DemoConfig(StrictModel):
