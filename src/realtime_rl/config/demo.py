@@ -29,7 +29,7 @@ def _demo_rules() -> RewardRules:
 
 def _demo_loop() -> LoopConfig:
     return LoopConfig(
-        cycles=3, cycle_period_s=90.0, rewards=_demo_rules(), rl=RLConfig(lr=1e-4), train_steps=4,
+        cycles=3, cycle_period_s=90.0, rewards=_demo_rules(), rl=RLConfig(lr=5e-5), train_steps=4,
         min_trajectories=48, max_staleness=1, gate=GateConfig(margin=0.1, concurrency=16), gate_tasks=40,
         gate_max_difficulty=1, gate_split="train", gate_start=6000,
         canary_tasks=8, agent=AgentConfig(max_turns=1, max_new_tokens=300, summary_trigger_tokens=3072,
