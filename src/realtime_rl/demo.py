@@ -97,15 +97,18 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     report_path = write_report(loop_dir)
 
     table = Table(title="rtrl demo: the real-time loop, cycle by cycle (traffic of each window, by served version)")
-    for column in ("cycle", "live", "served", "completions", "edits kept %", "dissatisfied %", "canary", "gate"):
+    for column in ("cycle", "live", "served", "completions", "edits kept %", "dissatisfied %", "canary verdict",
+                   "gate (new candidate)"):
         table.add_column(column, justify="right")
     starts = [r["window_start"] for r in reports] + [time.time()]
     for r, since, until in zip(reports, starts, starts[1:]):
+        canary, gate = r.get("canary") or {}, r.get("gate") or {}
+        verdict = f"v{canary['version']} {canary['decision']}" if canary else "-"
+        gated = f"v{gate['version']} {gate['decision']}" if gate else "-"
         for version, s in sorted(traffic_by_version(serve_dir, since, until).items()):
             kept = f"{100 * s['kept'] / s['edits']:.1f} ({s['kept']}/{s['edits']})" if s["edits"] else "-"
             table.add_row(str(r["cycle"]), f"v{r['live_version']}", f"v{version}", str(s["completions"]), kept,
-                          f"{100 * s['dissatisfied'] / s['completions']:.1f}",
-                          (r.get("canary") or {}).get("decision", "-"), (r.get("gate") or {}).get("decision", "-"))
+                          f"{100 * s['dissatisfied'] / s['completions']:.1f}", verdict, gated)
     console.print(table)
     minutes = (time.perf_counter() - t0) / 60
     console.print(f"report: {report_path} ({minutes:.1f} min in all)")

@@ -48,7 +48,9 @@ def test_bench_parity_writes_json(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["demo", "--set", "model.num_experts=-1"], "model.num_experts"),
+    (["demo", "--set", "pretrain.model.num_experts=-1"], "pretrain.model.num_experts"),
+    (["loop", "--set", "gate.margin=2"], "gate.margin"),
+    (["simulate-users", "--set", "users=0"], "users"),
     (["demo", "--config", "missing.toml"], "config file not found"),
     (["demo", "--set", "oops"], "key=value"),
 ])
