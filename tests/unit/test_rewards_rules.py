@@ -46,10 +46,11 @@ def test_classify_follows_the_documented_rule():
 
 
 def test_tool_names_match_the_agent_tools():
-    from realtime_rl.environments.tools import TOOL_SCHEMAS
+    from realtime_rl.environments import tools
 
-    names = {t["function"]["name"] for t in TOOL_SCHEMAS}
+    names = {t["function"]["name"] for t in tools.TOOL_SCHEMAS}
     assert EDIT_TOOLS <= names and QUESTION_TOOL in names
+    assert (EDIT_TOOLS, QUESTION_TOOL) == (tools.EDIT_TOOLS, tools.QUESTION_TOOL)
 
 
 # ---------------------------------------------------------------------------------------------- recipes

@@ -59,6 +59,9 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
         "question": {"type": "string"}}, ["question"]),
     _fn("submit", "Submit the work; the episode ends.", {}, []),
 ]
+EDIT_TOOLS = frozenset({"write_file", "edit_file"})
+"""The tools that change the user's code: what users accept, keep or revert."""
+QUESTION_TOOL = "ask_user"
 
 
 @dataclass

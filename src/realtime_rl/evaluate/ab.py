@@ -89,7 +89,7 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
         seen = kinds.get(c.completion_id, set())
         reverted = "edit_reverted" in seen
         records.append(ABRecord(
-            completion_id=c.completion_id, arm=getattr(c, "arm", "champion"), unit=c.user or c.session_id,
+            completion_id=c.completion_id, arm=c.arm, unit=c.user or c.session_id,
             edited=bool(seen & EDIT_EVENTS), kept="edit_persisted" in seen and not reverted, reverted=reverted,
             dissatisfied="followup_dissatisfied" in seen, latency_s=c.latency_s))
     return records

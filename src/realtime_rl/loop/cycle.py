@@ -176,8 +176,8 @@ class RealtimeLoop:
         root = self.run_dir / name
         spec = {"count": count, "difficulties": list(difficulties), "split": split, "seed": self.config.seed,
                 "start": start}
-        if root.exists() and json.loads((root / ".suite.json").read_text() if (root / ".suite.json").is_file()
-                                        else "{}") != spec:
+        recorded = root / ".suite.json"
+        if root.exists() and (not recorded.is_file() or json.loads(recorded.read_text()) != spec):
             shutil.rmtree(root)
         if count and not root.exists():
             levels = spec["difficulties"]
@@ -217,8 +217,9 @@ class RealtimeLoop:
                           + (f", canary v{state.canary}" if state.canary is not None else ""))
 
         # 1. collect: users talk to the gateway while the window is open
+        stop = stop or threading.Event()
         remaining = state.window_start + cfg.cycle_period_s - time.time()
-        if remaining > 0 and (stop.wait(remaining) if stop is not None else time.sleep(remaining)):
+        if remaining > 0 and stop.wait(remaining):
             state.cycle -= 1
             return report | {"stopped": True}
         window_end = time.time()
@@ -273,8 +274,8 @@ class RealtimeLoop:
         traffic = read_traffic(self.store, since=state.canary_since, until=window_end)
         events = [e for evs in traffic.events.values() for e in evs]
         ab = analyze(ab_records(traffic.completions, events), cfg.ab)
-        champion = [c for c in traffic.completions if getattr(c, "arm", "champion") == "champion"]
-        candidate = [c for c in traffic.completions if getattr(c, "arm", "champion") == "candidate"]
+        champion = [c for c in traffic.completions if c.arm == "champion"]
+        candidate = [c for c in traffic.completions if c.arm == "candidate"]
         by_arm = {arm: traffic_interactions(Traffic(cs, traffic.events, traffic.session_ends))
                   for arm, cs in (("champion", champion), ("candidate", candidate))}
         monitors = compare(by_arm["champion"], by_arm["candidate"], cfg.monitors)
@@ -351,9 +352,11 @@ class RealtimeLoop:
             data = json.loads(cache.read_text())
             return [EpisodeOutcome(**o) for o in data["gate"]], [EpisodeOutcome(**o) for o in data["canary"]]
         cfg = self.config
-        run = lambda tasks: evaluate_checkpoint(version.checkpoint, tasks, seed=cfg.gate.seed,  # noqa: E731
-                                                agent_config=cfg.agent, threads=cfg.gate.threads,
-                                                concurrency=cfg.gate.concurrency) if tasks else []
+
+        def run(tasks: list) -> list[EpisodeOutcome]:
+            return evaluate_checkpoint(version.checkpoint, tasks, seed=cfg.gate.seed, agent_config=cfg.agent,
+                                       threads=cfg.gate.threads, concurrency=cfg.gate.concurrency) if tasks else []
+
         gate, canary = run(self.gate_tasks), run(self.canary_tasks)
         cache.parent.mkdir(exist_ok=True)
         cache.write_text(json.dumps({"gate": [asdict(o) for o in gate], "canary": [asdict(o) for o in canary]}))

@@ -9,8 +9,8 @@ The rule, first match wins:
      "edit" if any is write_file or edit_file; else "question" if any is ask_user; else "other".
   3. no tool calls: "question" if the content, trailing whitespace removed, ends with "?"; else "other".
 
-The tool names are those of environments/tools.py, written out here so that this library does not
-load the agent loop (and torch) to read three strings; a test checks they agree.
+The tool names are environments/tools.py's EDIT_TOOLS and QUESTION_TOOL, written out here so that this
+library does not load the environments package (and torch) to read three strings; a test checks they agree.
 """
 
 from __future__ import annotations

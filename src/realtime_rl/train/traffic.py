@@ -61,7 +61,7 @@ def traffic_episode(record: CompletionRecord, choice_index: int, reward: float, 
         group_id=group_id,
         reward=float(reward),
         metadata={"completion_id": record.completion_id, "model_version": record.model_version,
-                  "user": record.user, "session_id": record.session_id, "arm": getattr(record, "arm", "champion"),
+                  "user": record.user, "session_id": record.session_id, "arm": record.arm,
                   "difficulty": metadata.get("difficulty")},
     )
 

@@ -33,11 +33,10 @@ from typing import Literal
 
 from realtime_rl.config.users import SimulateUsersConfig, StylePreference
 from realtime_rl.environments.tasks import Task
-from realtime_rl.environments.tools import TOOL_SCHEMAS
+from realtime_rl.environments.tools import EDIT_TOOLS, QUESTION_TOOL, TOOL_SCHEMAS
 from realtime_rl.model.chat import parse_assistant
 from realtime_rl.types import ToolCall, ToolCallError
 
-EDIT_TOOLS = frozenset({"write_file", "edit_file"})
 AnswerKind = Literal["edit", "question", "malformed", "other"]
 Verdict = Literal["kept", "reverted", "failed", "question", "malformed", "other"]
 NEUTRAL_ANSWER = "No further constraints: follow the instructions and make the visible tests pass."
@@ -90,7 +89,7 @@ def read_answer(content: str | None, tool_calls: list[ToolCall] | None) -> Answe
     message with any malformed call as plain content; the harness parses that content to report the error."""
     if tool_calls:
         names = {c.function.name for c in tool_calls}
-        kind: AnswerKind = "edit" if names & EDIT_TOOLS else "question" if "ask_user" in names else "other"
+        kind: AnswerKind = "edit" if names & EDIT_TOOLS else "question" if QUESTION_TOOL in names else "other"
         return Answer(kind, content, list(tool_calls))
     errors = parse_assistant(content or "", TOOL_SCHEMAS).errors
     return Answer("malformed" if errors else "other", content, errors=errors)

@@ -36,9 +36,11 @@ from realtime_rl.config.users import SimulateUsersConfig
 from realtime_rl.environments.agent_loop import SYSTEM_PROMPT, task_prompt
 from realtime_rl.environments.grading import grade
 from realtime_rl.environments.tasks import Task
-from realtime_rl.environments.tools import TOOL_SCHEMAS, TestRunner, ToolOutcome, Tools, Workspace
+from realtime_rl.environments.tools import (
+    EDIT_TOOLS, QUESTION_TOOL, TOOL_SCHEMAS, TestRunner, ToolOutcome, Tools, Workspace,
+)
 from realtime_rl.environments.users.model import (
-    EDIT_TOOLS, Answer, EditOutcome, PlannedEvent, UserProfile, react, read_answer, style_violation,
+    Answer, EditOutcome, PlannedEvent, UserProfile, react, read_answer, style_violation,
 )
 from realtime_rl.types import FunctionCall, ToolCall
 
@@ -256,7 +258,7 @@ class SimulatedUser:
         """Run the answer's tool calls in order, as the agent's harness would (ask_user is answered later)."""
         results = {}
         for call in answer.tool_calls:
-            if call.function.name == "ask_user":
+            if call.function.name == QUESTION_TOOL:
                 continue
             try:
                 results[call.id] = tools.call(call.function.name, call.function.arguments)
@@ -303,7 +305,7 @@ class SimulatedUser:
             assistant["content"] = ""
         out = [assistant]
         for call in answer.tool_calls:
-            content = reply if call.function.name == "ask_user" else results[call.id].content
+            content = reply if call.function.name == QUESTION_TOOL else results[call.id].content
             out.append({"role": "tool", "tool_call_id": call.id, "content": content})
         if answer.kind != "question":
             out.append({"role": "user", "content": reply})
