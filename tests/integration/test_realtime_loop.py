@@ -121,6 +121,18 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
             assert third["gate"]["champion"] == candidate  # and the next candidate is trained from it again
             assert [t.to_state for t in loop.registry.history(candidate)] == ["candidate", "canary", "live"]
             assert loop.registry.history(candidate)[-1].evidence["ab"]["decision"] == "promote"
+
+            # An operator acts between cycles with `rtrl registry`: the loop follows before deciding anything.
+            if third["gate"]["decision"] == "canary":
+                with Registry.open(loop_dir) as registry:
+                    registry.rollback(third["gate"]["version"], reason="operator: by hand")
+                assert loop._follow_registry() == [
+                    f"canary v{third['gate']['version']} is rolled_back by hand: its traffic share is now 0"]
+                assert loop.state.canary is None and loop.gateway.traffic()["candidate_fraction"] == 0.0
+            with Registry.open(loop_dir) as registry:  # a live version rolled back by hand cannot be served
+                registry.rollback(candidate, reason="operator: by hand")
+            with pytest.raises(RuntimeError, match="rolled back outside the loop"):
+                loop._follow_registry()
         finally:
             users.stop.set()
             users.thread.join(30)

@@ -1,8 +1,10 @@
 """The A/B analysis on seeded synthetic traffic: a win is promoted, a guardrail regression and a sample-ratio
-mismatch roll back, too little data continues; records are built from a real event store."""
+mismatch roll back, too little data continues; with users who differ, intervals clustered by user keep an
+A/A test honest where per-completion intervals do not; records are built from a real event store."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -11,7 +13,7 @@ from rich.console import Console
 
 from realtime_rl.collect import ChoiceRecord, CompletionRecord, FeedbackEvent, SqliteEventStore
 from realtime_rl.config.loop import ABConfig
-from realtime_rl.evaluate.ab import ABRecord, ab_records, analyze
+from realtime_rl.evaluate.ab import ABRecord, Estimate, ab_records, analyze
 
 
 def traffic(seed: int, users: int = 800, per_user: int = 5, fraction: float = 0.5, kept: tuple = (0.6, 0.6),
@@ -38,8 +40,10 @@ def traffic(seed: int, users: int = 800, per_user: int = 5, fraction: float = 0.
     return records
 
 
-def test_a_win_on_edits_kept_is_promoted_and_reported_in_cursors_terms():
-    report = analyze(traffic(0, kept=(0.60, 0.70)), ABConfig())
+@pytest.mark.parametrize(("cluster", "method"),
+                         [("users", "cluster-robust (users)"), ("none", "Wilson; Newcombe")])
+def test_a_win_on_edits_kept_is_promoted_and_reported_in_cursors_terms(cluster, method):
+    report = analyze(traffic(0, kept=(0.60, 0.70)), ABConfig(cluster=cluster))
     assert report.decision == "promote", report.reasons
     assert report.reasons[0].startswith("edits kept win: +")
     kept = report.metrics["edits_kept"]
@@ -52,11 +56,13 @@ def test_a_win_on_edits_kept_is_promoted_and_reported_in_cursors_terms():
     assert report.srm["alarm"] is False and report.srm["p_value"] > 0.001
     data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert data["decision"] == "promote" and data["metrics"]["edits_kept"]["difference"]["low"] > 0
+    assert data["metrics"]["edits_kept"]["method"] == method and data["config"]["cluster"] == cluster
 
     console = Console(record=True, width=160)
     console.print(report.table())
     text = console.export_text()
-    for row in ("edits kept %", "dissatisfied follow-ups %", "latency p50 (s)", "difference [95% CI]", "relative"):
+    for row in ("edits kept %", "dissatisfied follow-ups %", "latency p50 (s)", "difference [95% CI]",
+                "relative", method):
         assert row in text
     shown = f"{100 * kept.relative:+.2f}%"
     assert shown in text and f"{100 * kept.champion.value:.1f} [" in text
@@ -107,6 +113,74 @@ def test_empty_arm_and_unknown_arm():
     Console(record=True).print(report.table())
     with pytest.raises(ValueError, match="arm 'treatment' is neither 'champion' nor 'candidate'"):
         analyze([ABRecord("c1", "treatment", "u", False, False, False, False, 1.0)], ABConfig())
+
+
+def users_who_differ(seed: int, users: int, per_user: int, effect: float = 0.0) -> list[ABRecord]:
+    """Users whose own kept rate is drawn from Beta(0.5, 0.5) (some keep nearly every edit, some revert nearly
+    every one, as style preferences make them), split between the arms by a hash of the user as the router
+    does; the candidate adds `effect` to each of its users' rates. Every completion is a resolved edit."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for u, rate in enumerate(rng.beta(0.5, 0.5, users)):
+        arm = "candidate" if hashlib.sha256(f"{seed}/user-{u}".encode()).digest()[0] < 128 else "champion"
+        rate = min(1.0, rate + effect) if arm == "candidate" else rate
+        for j, kept in enumerate(rng.random(per_user) < rate):
+            records.append(ABRecord(f"c{u}-{j}", arm, f"user-{u}", True, bool(kept), not kept, False,
+                                    1.0 + 0.01 * u))
+    return records
+
+
+def test_clustered_intervals_keep_an_aa_test_honest_where_per_completion_intervals_do_not():
+    # 20 users, 20 completions each, identical arms: the unit of randomisation is the user, so the
+    # effective sample is closer to 20 than to 400. Per-completion intervals are about 4x too narrow here.
+    experiments = [users_who_differ(seed, users=20, per_user=20) for seed in range(250)]
+
+    def coverage(cluster: str, runs: list[list[ABRecord]]) -> float:
+        config = ABConfig(cluster=cluster, bootstrap_resamples=100)
+        differences = [analyze(records, config).metrics["edits_kept"].difference for records in runs]
+        assert all(d.low is not None for d in differences)
+        return float(np.mean([d.low <= 0.0 <= d.high for d in differences]))
+
+    # Seeded: 93.6% (nominal 95%; CR1 with ~10 users per arm is a little short) against 38%.
+    assert coverage("users", experiments) >= 0.90
+    assert coverage("none", experiments[:60]) <= 0.60
+
+
+def test_a_real_effect_across_many_users_is_promoted_under_clustering():
+    records = users_who_differ(1, users=400, per_user=5, effect=0.15)
+    report = analyze(records, ABConfig())
+    assert report.decision == "promote", report.reasons
+    kept = report.metrics["edits_kept"]
+    assert kept.method == "cluster-robust (users)" and kept.difference.low > 0 and kept.p_value < 0.01
+    # The clustered interval is wider than the per-completion one: users differ more than completions.
+    independent = analyze(records, ABConfig(cluster="none")).metrics["edits_kept"].difference
+    assert kept.difference.high - kept.difference.low > 1.2 * (independent.high - independent.low)
+
+
+def test_one_user_per_arm_continues_without_intervals():
+    records = [ABRecord(f"c{i}", arm, f"user-{arm}", True, i % 3 > 0, i % 3 == 0, False, 1.0 + i % 5)
+               for i in range(200) for arm in ("champion", "candidate")]
+    report = analyze(records, ABConfig())
+    assert report.decision == "continue"
+    assert report.reasons == ["insufficient data: champion has 1 users < 4; candidate has 1 users < 4"]
+    for m in report.metrics.values():  # the cluster variance of one user is undefined: values, no intervals
+        assert m.champion.value is not None and m.champion.low is None and m.difference.low is None
+    json.dumps(report.to_dict(), allow_nan=False)
+    # The floor is a config choice; below two users there is still nothing to decide on.
+    report = analyze(records, ABConfig(min_users_per_arm=1))
+    assert report.decision == "continue" and "no interval" in report.reasons[0]
+
+
+def test_identical_outcomes_collapse_the_interval_to_the_point_and_decide_nothing_by_rounding():
+    # Every edit kept, every latency 1 s, in both arms.
+    records = [ABRecord(f"c{i}", ("champion", "candidate")[i % 2], f"user-{i % 20}", True, True, False, False,
+                        1.0) for i in range(400)]
+    report = analyze(records, ABConfig())
+    kept = report.metrics["edits_kept"]
+    assert kept.champion == kept.candidate == Estimate(1.0, 1.0, 1.0)
+    assert kept.difference == Estimate(0.0, 0.0, 0.0) and kept.p_value is None
+    assert report.metrics["latency_p50_s"].difference == Estimate(0.0, 0.0, 0.0)
+    assert report.decision == "continue", report.reasons
 
 
 def completion(cid: str, user: str | None, arm: str, latency_s: float,

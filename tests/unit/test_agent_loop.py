@@ -104,6 +104,23 @@ def test_endings(tokenizer, task, sandbox):
     assert looped.ended_by == "max_turns" and looped.num_turns == 3
 
 
+@pytest.mark.parametrize("reply,action", [
+    ("<tool_call>\n{not json}\n</tool_call>", "malformed"),
+    (tc("write_file", path="two_fer.py", content="x = 1\n"), "edit"),
+    (tc("ask_user", question="Python 2 or 3?"), "question"),
+    (tc("run_tests"), "other"),
+    ("Should it accept None?", "question"),
+    ("I think it is done.", "other"),
+])
+def test_first_reply_is_classified_as_the_gateway_would_serve_it(reply, action, tokenizer, task, sandbox):
+    """The gate counts an eval episode's first reply with the rule the live monitors apply to served replies."""
+    from realtime_rl.rewards.actions import classify_reply
+
+    ep = run_episode(ScriptedPolicy(tokenizer, [reply]), tokenizer, task, sandbox, AgentConfig(max_turns=1)).episode
+    first = ep.metadata["first_reply"]
+    assert classify_reply(first["tool_names"], first["malformed"], first["content"]) == action
+
+
 class SummarizingPolicy(ScriptedPolicy):
     """Scripted replies, except that a summary request gets the summary text."""
 

@@ -13,6 +13,7 @@ from realtime_rl.collect import ChoiceRecord, FeedbackEvent
 from realtime_rl.config.base import load_config
 from realtime_rl.config.rewards import RewardRules
 from realtime_rl.rewards import EDIT_TOOLS, QUESTION_TOOL, Item, classify, settle
+from realtime_rl.rewards.actions import classify_reply
 from realtime_rl.types import FunctionCall, ToolCall, ToolCallError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "rewards"
@@ -37,6 +38,9 @@ def test_classify_follows_the_documented_rule():
     assert classify(choice(content="Should `add` accept floats?  \n")) == "question"
     assert classify(choice(content="Done. The function is written.")) == "other"
     assert classify(choice(content=None)) == "other"
+    assert classify_reply(["ask_user", "write_file"], 0, "") == "edit"
+    assert classify_reply(["write_file"], 1, "") == "malformed"
+    assert classify_reply([], 0, "Which version?\n") == "question"
     # Any malformed call wins: the gateway then answered the whole text as content.
     assert classify(choice(content="<tool_call>{</tool_call> ok?", errors=1)) == "malformed"
     # Calls that parsed but were not returned as tool calls (no tools offered) are not edits.

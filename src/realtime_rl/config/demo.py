@@ -40,7 +40,7 @@ def _demo_loop() -> LoopConfig:
 
 def _demo_users() -> SimulateUsersConfig:
     # Fresh train-split tasks of difficulty 1 (indices 5000.., apart from the corpus and the gate's 6000..).
-    return SimulateUsersConfig(users=5, sessions=None, duration_s=30 * 86400, task_count=200, split="train",
+    return SimulateUsersConfig(users=24, sessions=None, duration_s=30 * 86400, task_count=200, split="train",
                                difficulty=1, start=5000, think_time_s=(0.5, 1.5),
                                persist_window_s=15.0, style_mix={"none": 0.6, "type_hints": 0.2, "no_print": 0.2},
                                patience=(1, 2), max_tokens=300)

@@ -63,6 +63,17 @@ class ABConfig(StrictModel):
     a regression is the lower end of the difference interval above this."""
     latency_tolerance_s: float = Field(0.0, ge=0.0, le=3600.0)
     """Rise in p50 latency (seconds) tolerated before it counts as a regression."""
+    cluster: Literal["users", "none"] = "users"
+    """Unit of inference. "users": intervals clustered by user (else session), the unit the router randomises,
+    because one user's completions are correlated (a user who dislikes a style reverts many of its edits):
+    rates and mean latency by cluster-robust OLS, p50 latency by a cluster bootstrap. "none": every
+    completion independent (Wilson, Newcombe, Welch): too narrow when users differ, so that an A/A test
+    finds differences; for comparison only."""
+    min_users_per_arm: int = Field(4, ge=1, le=1_000_000_000)
+    """Distinct users (else sessions) each arm needs before any decision other than "continue". With one
+    user the cluster variance is undefined (no interval), and cluster-robust intervals from a handful of
+    users are still too narrow: this is a floor, and decisions on fewer than a few dozen users per arm are
+    optimistic."""
     min_completions_per_arm: int = Field(50, ge=1, le=1_000_000_000)
     """Completions each arm needs before any decision other than "continue"."""
     min_edits_per_arm: int = Field(30, ge=1, le=1_000_000_000)
@@ -72,7 +83,7 @@ class ABConfig(StrictModel):
     srm_unit: Literal["users", "completions"] = "users"
     """What the sample-ratio check counts per arm: distinct users (the unit the router assigns) or completions."""
     bootstrap_resamples: int = Field(2000, ge=100, le=1_000_000)
-    """Resamples of the bootstrap interval of the p50 latency difference."""
+    """Resamples of the bootstrap intervals of p50 latency (with cluster="users" also per arm)."""
     seed: int = 0
     """Seed of the bootstrap, so that a report is reproducible."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -134,6 +134,7 @@ def run_episode(
     ended_by: EpisodeEnd = "max_turns"
     question = None
     turns = tool_calls = malformed = tool_errors = 0
+    first_reply: dict[str, Any] | None = None
 
     while turns < config.max_turns:
         # Self-summarize when the context is past its budget, then restart the segment from the summary.
@@ -165,6 +166,10 @@ def run_episode(
             seg.add_context(turn_end)  # cut off by max_new_tokens: close the turn for it
         text = tokenizer.decode([t for t in out.token_ids if t not in stop_ids], skip_special_tokens=True)
         parsed = parse_assistant(text, TOOL_SCHEMAS)
+        if first_reply is None:  # what a user served this reply would have received (rewards.classify_reply)
+            first_reply = {"tool_names": [call.function.name for call in parsed.tool_calls],
+                           "malformed": len(parsed.errors),
+                           "content": parsed.content if parsed.tool_calls else text}
 
         # Observations in the order the calls were written; malformed calls are errors the model sees.
         results: list[tuple[int, str]] = []
@@ -201,6 +206,6 @@ def run_episode(
         tool_errors=tool_errors,
         summary_lengths=summary_lengths,
         question=question,
-        metadata={"test_runs": tools.test_runs},
+        metadata={"test_runs": tools.test_runs, "first_reply": first_reply},
     )
     return EpisodeResult(episode, workspace)

@@ -18,22 +18,40 @@ are not attributed to a completion and are ignored here):
 - dissatisfied follow-ups % = completions with followup_dissatisfied / completions;
 - latency: p50 and mean of the completion's latency_s.
 
-Intervals (level `confidence`): rates per arm by Wilson's score interval, their difference (candidate -
-champion) by Newcomb's hybrid score interval and the Agresti-Caffo test (statsmodels
-confint_proportions_2indep / test_proportions_2indep); p50 per arm by the
-distribution-free order-statistic interval (scipy quantile_test), its difference by a percentile
-bootstrap (scipy bootstrap, seeded); the mean per arm by Student's t, its difference by Welch's t.
+Intervals (level `confidence`). The router assigns arms per user, and one user's completions are
+correlated (a user who dislikes a style reverts many of its edits), so by default (`cluster="users"`) the
+unit of inference is the unit of randomisation, ABRecord.unit (the user, else the session; a completion
+with neither is a cluster of its own). The difference (candidate -
+champion) of edits kept, dissatisfied follow-ups and mean latency, with its p-value, comes from OLS of
+the outcome on [1, is_candidate] with cluster-robust standard errors (statsmodels cov_type="cluster":
+CR1, t with G - 1 degrees of freedom; the delta-method analysis of user-randomised experiments); each
+arm's rate or mean from OLS on a constant in that arm, clustered the same way (rates clipped to [0, 1]).
+p50 latency per arm and its difference: a cluster bootstrap (users resampled with replacement within
+each arm, every completion of a drawn user counted; scipy bootstrap, percentile, seeded). An arm with
+fewer than two users has no cluster variance: no interval (None). Every outcome equal within each arm
+(zero variance, e.g. all edits kept): the interval collapses to the point and there is no p-value.
+Cluster-robust intervals are too narrow with few users (the sandwich is only asymptotic in the number
+of clusters); `min_users_per_arm` is a floor, not a guarantee: read intervals from fewer than a few
+dozen users per arm as optimistic.
+
+With `cluster="none"` every completion counts as independent (too narrow when users differ: an A/A test
+then finds differences): rates per arm by Wilson's score interval, their difference by Newcombe's hybrid
+score interval and the Agresti-Caffo test (statsmodels confint_proportions_2indep /
+test_proportions_2indep); p50 per arm by the distribution-free order-statistic interval (scipy
+quantile_test), its difference by a percentile bootstrap of completions (seeded); the mean per arm by
+Student's t, its difference by Welch's t. Each metric names its method (Comparison.method).
 "relative" is (candidate - champion) / champion, as in Cursor's "+2.28% edits kept".
 
 Sample-ratio mismatch: chi-square goodness of fit of users (or completions) per arm against
 `candidate_fraction` (scipy chisquare); p < srm_alpha means the assignment or the logging is broken and
 no metric can be trusted.
 
-Decision, in order: SRM -> "rollback"; either arm below the minimum completions or resolved edits ->
-"continue" (insufficient data); a guardrail significantly worse beyond its tolerance (dissatisfied rate,
-p50 latency: the lower end of the difference's interval above the tolerance) -> "rollback"; edits kept
-significantly worse beyond the margin (upper end below -primary_margin) -> "rollback"; edits kept
-winning (lower end above -primary_margin; margin 0 by default, so a win) -> "promote"; else "continue".
+Decision, in order: SRM -> "rollback"; either arm below the minimum users, completions or resolved
+edits -> "continue" (insufficient data); a guardrail significantly worse beyond its tolerance
+(dissatisfied rate, p50 latency: the lower end of the difference's interval above the tolerance) ->
+"rollback"; edits kept significantly worse beyond the margin (upper end below -primary_margin) ->
+"rollback"; edits kept winning (lower end above -primary_margin; margin 0 by default, so a win) ->
+"promote"; else "continue". A metric without an interval decides nothing.
 
 Not here: sequential-testing corrections. Looking at a running experiment every cycle and stopping at
 the first significant result inflates the false-positive rate; keep the number of looks small or widen
@@ -44,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -52,6 +70,7 @@ import numpy as np
 from rich.table import Table
 from rich.text import Text
 from scipy import stats
+from statsmodels.regression.linear_model import OLS
 from statsmodels.stats.proportion import confint_proportions_2indep, proportion_confint, test_proportions_2indep
 
 from realtime_rl.collect import CompletionRecord, FeedbackEvent
@@ -97,7 +116,7 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
 
 @dataclass(frozen=True)
 class Estimate:
-    """A value with its interval; None where the data cannot give one (an empty arm)."""
+    """A value with its interval; None where the data cannot give one (an empty arm; clustered, one user)."""
 
     value: float | None
     low: float | None = None
@@ -117,9 +136,12 @@ class Comparison:
     relative: float | None
     """(candidate - champion) / champion."""
     p_value: float | None
-    """Two-sided test of no difference (None where the interval comes from a bootstrap)."""
+    """Two-sided test of no difference (None: a bootstrap interval, no interval, or no variance)."""
     n_champion: int
     n_candidate: int
+    method: str
+    """How the intervals were made: "cluster-robust (users)", "cluster bootstrap (users)", or the independent
+    methods ("Wilson; Newcombe", ...) with cluster="none"."""
 
 
 @dataclass
@@ -144,13 +166,13 @@ class ABReport:
         level = f"{self.confidence:.0%}"
         # Text, not markup strings: "[56.7, 63.0]" must print as written.
         table = Table(title=f"A/B: {self.decision}", caption=Text("; ".join(self.reasons)))
-        for column in ("metric", "champion", "candidate", f"difference [{level} CI]", "relative"):
-            table.add_column(Text(column), justify="left" if column == "metric" else "right")
+        for column in ("metric", "champion", "candidate", f"difference [{level} CI]", "relative", "method"):
+            table.add_column(Text(column), justify="left" if column in ("metric", "method") else "right")
         for m in self.metrics.values():
             scale, digits = (100.0, 1) if m.unit == "%" else (1.0, 3)
             cells = (m.label, _cell(m.champion, scale, digits, m.n_champion),
                      _cell(m.candidate, scale, digits, m.n_candidate), _cell(m.difference, scale, digits, sign=True),
-                     "-" if m.relative is None else f"{100 * m.relative:+.2f}%")
+                     "-" if m.relative is None else f"{100 * m.relative:+.2f}%", m.method)
             table.add_row(*map(Text, cells))
         return table
 
@@ -175,13 +197,54 @@ def _relative(champion: float | None, candidate: float | None) -> float | None:
     return (candidate - champion) / champion
 
 
-def _rate(label: str, counts: dict[str, tuple[int, int]], alpha: float) -> Comparison:
-    """counts[arm] = (successes, trials)."""
+def _clustered(value: float, y: np.ndarray, X: np.ndarray, groups: np.ndarray,
+               alpha: float) -> tuple[Estimate, float | None]:
+    """`value`, the last coefficient of OLS of y on X computed exactly by the caller, with its cluster-robust
+    interval and p-value (CR1, t with G - 1 df). The caller ensures two clusters or more per arm: with one,
+    the cluster variance is undefined."""
+    # Every outcome equal within each arm (X's last column tells the arms apart): there is no variance to
+    # estimate, and the fit's rounding (1e-16) must not read as a significant difference.
+    if all(np.ptp(y[X[:, -1] == v]) == 0 for v in np.unique(X[:, -1])):
+        return Estimate(value, value, value), None
+    fit = OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": groups}, use_t=True)
+    low, high = fit.conf_int(alpha)[-1]
+    half = (high - low) / 2
+    return Estimate(value, _finite(value - half), _finite(value + half)), _finite(fit.pvalues[-1])
+
+
+def _clustered_means(label: str, unit: str, y: np.ndarray, is_candidate: np.ndarray, groups: np.ndarray,
+                     alpha: float) -> Comparison:
+    """Per-arm means (OLS on a constant) and their difference (OLS on [1, is_candidate]), clustered."""
+    arms, clusters = {}, {}
+    for arm, mask in (("champion", ~is_candidate), ("candidate", is_candidate)):
+        clusters[arm] = len(np.unique(groups[mask]))
+        arms[arm] = Estimate(float(y[mask].mean()) if mask.any() else None)
+        if clusters[arm] >= 2:
+            constant = np.ones((int(mask.sum()), 1))
+            arms[arm], _ = _clustered(arms[arm].value, y[mask], constant, groups[mask], alpha)
+        if unit == "%" and arms[arm].low is not None:
+            arms[arm] = Estimate(arms[arm].value, max(0.0, arms[arm].low), min(1.0, arms[arm].high))
+    difference, p_value = Estimate(None), None
+    if min(clusters.values()) >= 2:
+        difference, p_value = _clustered(arms["candidate"].value - arms["champion"].value, y,
+                                         np.column_stack([np.ones(len(y)), is_candidate]), groups, alpha)
+    return Comparison(label, unit, arms["champion"], arms["candidate"], difference,
+                      _relative(arms["champion"].value, arms["candidate"].value), p_value,
+                      int((~is_candidate).sum()), int(is_candidate.sum()), "cluster-robust (users)")
+
+
+def _rate(label: str, y: np.ndarray, is_candidate: np.ndarray, groups: np.ndarray,
+          config: ABConfig) -> Comparison:
+    """A 0/1 outcome per completion (y) in both arms."""
+    alpha = 1 - config.confidence
+    if config.cluster == "users":
+        return _clustered_means(label, "%", y, is_candidate, groups, alpha)
     arms = {}
-    for arm, (k, n) in counts.items():
+    for arm, mask in (("champion", ~is_candidate), ("candidate", is_candidate)):
+        k, n = int(y[mask].sum()), int(mask.sum())
         low, high = proportion_confint(k, n, alpha=alpha, method="wilson") if n else (None, None)
-        arms[arm] = Estimate(k / n if n else None, _finite(low), _finite(high))
-    (k1, n1), (k0, n0) = counts["candidate"], counts["champion"]
+        arms[arm] = (k, n, Estimate(k / n if n else None, _finite(low), _finite(high)))
+    (k1, n1, _), (k0, n0, _) = arms["candidate"], arms["champion"]
     difference, p_value = Estimate(None), None
     if n1 and n0:
         # Newcomb's interval and the Agresti-Caffo test stay defined at 0% and 100% (the score interval
@@ -192,14 +255,76 @@ def _rate(label: str, counts: dict[str, tuple[int, int]], alpha: float) -> Compa
             p_value = _finite(test_proportions_2indep(k1, n1, k0, n0, value=0, method="agresti-caffo",
                                                       compare="diff").pvalue)
         difference = Estimate(k1 / n1 - k0 / n0, _finite(low), _finite(high))
-    return Comparison(label, "%", arms["champion"], arms["candidate"], difference,
-                      _relative(arms["champion"].value, arms["candidate"].value), p_value, n0, n1)
+    champion, candidate = arms["champion"][2], arms["candidate"][2]
+    return Comparison(label, "%", champion, candidate, difference, _relative(champion.value, candidate.value),
+                      p_value, n0, n1, "Wilson; Newcombe")
 
 
-def _latency(latency: dict[str, np.ndarray], config: ABConfig) -> tuple[Comparison, Comparison]:
+def _pooled_median(latency_s: np.ndarray, groups: np.ndarray) -> tuple[Callable[..., np.ndarray], int]:
+    """A vectorized statistic for scipy.stats.bootstrap over one arm's clusters, and their count: given
+    cluster indices drawn with replacement (..., k), the median of the pooled completions of the drawn
+    clusters (a cluster drawn twice counts twice), as np.median of the repeated completions."""
+    order = np.argsort(latency_s, kind="stable")
+    sorted_s = latency_s[order]
+    _, owner = np.unique(groups[order], return_inverse=True)
+    num = int(owner.max()) + 1
+
+    def statistic(drawn: np.ndarray, axis: int = -1) -> np.ndarray:
+        drawn = np.moveaxis(drawn, axis, -1)
+        shape, drawn = drawn.shape[:-1], drawn.reshape(-1, drawn.shape[-1])
+        rows = len(drawn)
+        counts = np.bincount((drawn + num * np.arange(rows)[:, None]).ravel(),
+                             minlength=rows * num).reshape(rows, num)
+        cum = np.cumsum(counts[:, owner], axis=1)  # the completions' weights, in latency order
+        n = cum[:, -1:]
+        low = (cum < (n + 1) // 2).sum(axis=1)  # 0-based index of the ((n + 1) // 2)-th smallest
+        high = (cum < n // 2 + 1).sum(axis=1)
+        return ((sorted_s[low] + sorted_s[high]) / 2).reshape(shape)
+
+    return statistic, num
+
+
+def _cluster_bootstrap_p50(latency_s: np.ndarray, is_candidate: np.ndarray, groups: np.ndarray,
+                           config: ABConfig) -> Comparison:
+    arms, medians, clusters = {}, {}, {}
+    for arm, mask in (("champion", ~is_candidate), ("candidate", is_candidate)):
+        x = latency_s[mask]
+        arms[arm] = Estimate(float(np.median(x)) if len(x) else None)
+        if len(x):
+            medians[arm], clusters[arm] = _pooled_median(x, groups[mask])
+    # One batch of resamples holds (batch, completions) weights: bound it to ~32 MB.
+    batch = max(1, 4_000_000 // max(len(latency_s), 1))
+
+    def boot(statistic: Callable[..., np.ndarray], *counts: int) -> Any:
+        """Percentile interval of `statistic` over the arms' clusters (0..count-1) drawn with replacement."""
+        return stats.bootstrap(tuple(np.arange(c) for c in counts), statistic,
+                               n_resamples=config.bootstrap_resamples, confidence_level=config.confidence,
+                               method="percentile", vectorized=True, batch=batch,
+                               rng=np.random.default_rng(config.seed)).confidence_interval
+
+    for arm in medians:
+        if clusters[arm] >= 2:
+            ci = boot(medians[arm], clusters[arm])
+            arms[arm] = Estimate(arms[arm].value, _finite(ci.low), _finite(ci.high))
+    difference = Estimate(None)
+    if len(clusters) == 2 and min(clusters.values()) >= 2:
+        m1, m0 = medians["candidate"], medians["champion"]
+        ci = boot(lambda a, b, axis: m1(a, axis) - m0(b, axis), clusters["candidate"], clusters["champion"])
+        difference = Estimate(arms["candidate"].value - arms["champion"].value,
+                              _finite(ci.low), _finite(ci.high))
+    return Comparison("latency p50 (s)", "s", arms["champion"], arms["candidate"], difference,
+                      _relative(arms["champion"].value, arms["candidate"].value), None,
+                      int((~is_candidate).sum()), int(is_candidate.sum()), "cluster bootstrap (users)")
+
+
+def _latency(latency_s: np.ndarray, is_candidate: np.ndarray, groups: np.ndarray,
+             config: ABConfig) -> tuple[Comparison, Comparison]:
     level = config.confidence
+    if config.cluster == "users":
+        return (_cluster_bootstrap_p50(latency_s, is_candidate, groups, config),
+                _clustered_means("latency mean (s)", "s", latency_s, is_candidate, groups, 1 - level))
     p50, mean = {}, {}
-    for arm, x in latency.items():
+    for arm, x in (("champion", latency_s[~is_candidate]), ("candidate", latency_s[is_candidate])):
         if len(x) >= 2:
             ci = stats.quantile_test(x, q=float(np.median(x)), p=0.5).confidence_interval(level)
             p50[arm] = Estimate(float(np.median(x)), _finite(ci.low), _finite(ci.high))
@@ -207,7 +332,7 @@ def _latency(latency: dict[str, np.ndarray], config: ABConfig) -> tuple[Comparis
             mean[arm] = Estimate(float(np.mean(x)), _finite(ci.low), _finite(ci.high))
         else:
             p50[arm] = mean[arm] = Estimate(float(x[0]) if len(x) else None)
-    x1, x0 = latency["candidate"], latency["champion"]
+    x1, x0 = latency_s[is_candidate], latency_s[~is_candidate]
     p50_diff, mean_diff, mean_p = Estimate(None), Estimate(None), None
     if len(x1) >= 2 and len(x0) >= 2:
         boot = stats.bootstrap((x1, x0), lambda a, b, axis: np.median(a, axis=axis) - np.median(b, axis=axis),
@@ -221,9 +346,11 @@ def _latency(latency: dict[str, np.ndarray], config: ABConfig) -> tuple[Comparis
         mean_p = _finite(welch.pvalue)
     n0, n1 = len(x0), len(x1)
     return (Comparison("latency p50 (s)", "s", p50["champion"], p50["candidate"], p50_diff,
-                       _relative(p50["champion"].value, p50["candidate"].value), None, n0, n1),
+                       _relative(p50["champion"].value, p50["candidate"].value), None, n0, n1,
+                       "order statistic; bootstrap"),
             Comparison("latency mean (s)", "s", mean["champion"], mean["candidate"], mean_diff,
-                       _relative(mean["champion"].value, mean["candidate"].value), mean_p, n0, n1))
+                       _relative(mean["champion"].value, mean["candidate"].value), mean_p, n0, n1,
+                       "Student t; Welch t"))
 
 
 def _srm(records: Sequence[ABRecord], config: ABConfig) -> dict[str, Any]:
@@ -256,11 +383,18 @@ def analyze(records: Sequence[ABRecord], config: ABConfig) -> ABReport:
         arms[arm] = {"completions": len(rs), "units": len({r.unit for r in rs if r.unit is not None}),
                      "edits": edits, "resolved_edits": kept + reverted, "pending_edits": edits - kept - reverted,
                      "kept": kept, "reverted": reverted, "dissatisfied": sum(r.dissatisfied for r in rs)}
-    alpha = 1 - config.confidence
-    edits_kept = _rate("edits kept %", {a: (arms[a]["kept"], arms[a]["resolved_edits"]) for a in ARMS}, alpha)
-    dissatisfied = _rate("dissatisfied follow-ups %",
-                         {a: (arms[a]["dissatisfied"], arms[a]["completions"]) for a in ARMS}, alpha)
-    p50, mean = _latency({a: np.array([r.latency_s for r in by_arm[a]], dtype=float) for a in ARMS}, config)
+    # Cluster codes shared by both arms (a unit seen in both stays one cluster); a completion with neither
+    # user nor session is a cluster of its own.
+    codes: dict[Any, int] = {}
+    groups = np.array([codes.setdefault(r.unit if r.unit is not None else (r.completion_id,), len(codes))
+                       for r in records], dtype=np.int64)
+    is_candidate = np.array([r.arm == "candidate" for r in records], dtype=bool)
+    resolved = np.array([r.kept or r.reverted for r in records], dtype=bool)
+    kept = np.array([r.kept for r in records], dtype=float)
+    unhappy = np.array([r.dissatisfied for r in records], dtype=float)
+    edits_kept = _rate("edits kept %", kept[resolved], is_candidate[resolved], groups[resolved], config)
+    dissatisfied = _rate("dissatisfied follow-ups %", unhappy, is_candidate, groups, config)
+    p50, mean = _latency(np.array([r.latency_s for r in records], dtype=float), is_candidate, groups, config)
     metrics = {"edits_kept": edits_kept, "dissatisfied": dissatisfied, "latency_p50_s": p50,
                "latency_mean_s": mean}
     srm = _srm(records, config)
@@ -275,9 +409,10 @@ def _decide(arms: dict[str, dict[str, int]], edits_kept: Comparison, dissatisfie
         return "rollback", [f"sample-ratio mismatch: {srm['observed']} {srm['unit']} for a candidate share of "
                             f"{config.candidate_fraction} (chi-square p = {srm['p_value']:.2g} "
                             f"< {config.srm_alpha})"]
-    short = [f"{arm} has {arms[arm][key]} {key.replace('_', ' ')} < {minimum}" for arm in ARMS
-             for key, minimum in (("completions", config.min_completions_per_arm),
-                                  ("resolved_edits", config.min_edits_per_arm))
+    short = [f"{arm} has {arms[arm][key]} {name} < {minimum}" for arm in ARMS
+             for key, name, minimum in (("units", "users", config.min_users_per_arm),
+                                        ("completions", "completions", config.min_completions_per_arm),
+                                        ("resolved_edits", "resolved edits", config.min_edits_per_arm))
              if arms[arm][key] < minimum]
     if short:
         return "continue", ["insufficient data: " + "; ".join(short)]

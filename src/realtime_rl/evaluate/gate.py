@@ -48,6 +48,7 @@ from realtime_rl.config import AgentConfig, SandboxConfig
 from realtime_rl.config.loop import GateConfig
 from realtime_rl.environments import Task
 from realtime_rl.evaluate.harness import evaluate_policy
+from realtime_rl.rewards.actions import classify_reply
 
 TURN_SEEDS = 1000
 """Seeds reserved per task: turn t of task k samples with task_seed(seed, k) + t."""
@@ -68,6 +69,9 @@ class EpisodeOutcome:
     tool_calls: int = 0
     malformed_tool_calls: int = 0
     tokens: int = 0
+    action: str = ""
+    """What the first reply was, classified as the same reply served to a user (rewards.classify_reply):
+    "edit", "question", "malformed" or "other"; "" when unknown (an outcome recorded before this field)."""
 
 
 @dataclass
@@ -229,8 +233,10 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
     outcomes = []
     for result in report.results:
         episode = result.episodes[0]
+        reply = episode["first_reply"]
+        action = classify_reply(reply["tool_names"], reply["malformed"], reply["content"]) if reply else "other"
         outcomes.append(EpisodeOutcome(result.task_id, task_seed(seed, index[result.task_id]), result.grades[0].passed,
                                        episode["ended_by"], episode["turns"], episode["tool_calls"],
-                                       episode["malformed_tool_calls"], episode["tokens"]))
+                                       episode["malformed_tool_calls"], episode["tokens"], action))
     return outcomes
 

@@ -93,7 +93,8 @@ def episode_summary(episode: Episode) -> dict[str, Any]:
     return {"episode_id": episode.episode_id, "ended_by": episode.ended_by, "turns": episode.num_turns,
             "tool_calls": episode.num_tool_calls, "malformed_tool_calls": episode.malformed_tool_calls,
             "tool_errors": episode.tool_errors, "tokens": episode.num_tokens,
-            "summaries": len(episode.summary_lengths), "passed": episode.passed}
+            "summaries": len(episode.summary_lengths), "passed": episode.passed,
+            "first_reply": episode.metadata.get("first_reply")}
 
 
 def evaluate_policy(

@@ -115,20 +115,23 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def _action(outcome: EpisodeOutcome) -> str:
+    """The first reply's kind as traffic would count it; outcomes cached before `action` existed: from the counts."""
+    if outcome.action:
+        return outcome.action
+    if outcome.malformed_tool_calls:
+        return "malformed"
+    return "question" if outcome.ended_by == "ask_user" else "edit" if outcome.tool_calls else "other"
+
+
 def _interaction(outcome: EpisodeOutcome, difficulty: str | None) -> Interaction:
-    """An evaluation episode as the monitors see it: asked, broke a call, acted (any tool call), or neither."""
-    if outcome.ended_by == "ask_user":
-        kind = "question"
-    elif outcome.malformed_tool_calls:
-        kind = "malformed"
-    else:
-        kind = "edit" if outcome.tool_calls else "other"
-    return Interaction(kind, outcome.malformed_tool_calls, outcome.tokens, difficulty, None)
+    """An evaluation episode as the monitors see live traffic: its first reply classified as if served."""
+    return Interaction(_action(outcome), outcome.malformed_tool_calls, outcome.tokens, difficulty, None)
 
 
 def dodged(outcome: EpisodeOutcome) -> bool:
     """What a hack canary counts: the policy did not try (asked, or broke its tool call)."""
-    return outcome.ended_by == "ask_user" or outcome.malformed_tool_calls > 0
+    return _action(outcome) in ("question", "malformed")
 
 
 class RealtimeLoop:
@@ -225,6 +228,8 @@ class RealtimeLoop:
         window_end = time.time()
         t0 = time.perf_counter()
 
+        report["registry"] = self._follow_registry()
+
         # 2. settle the rewards whose windows closed
         update = self.ledger.update(self.store, cfg.rewards, window_end)
         stats = self.ledger.stats()
@@ -267,6 +272,31 @@ class RealtimeLoop:
             self.registry.transition(orphan.version, "rolled_back",
                                      reason="interrupted: the loop stopped before the gate decided")
         self._save()
+
+    def _follow_registry(self) -> list[str]:
+        """`rtrl registry promote|rollback` may act while the loop waits: follow the registry before deciding.
+        A canary an operator promoted or rolled back leaves the candidate arm (and a promoted one reaches the
+        champion arm). A live version older than the champion arm's (a hand rollback of the live version)
+        cannot be served through the weight store, whose versions only increase: that stops the loop."""
+        state, actions = self.state, []
+        if state.canary is not None and (now := self.registry.get(state.canary).state) != "canary":
+            self.gateway.set_candidate_fraction(0.0)
+            actions.append(f"canary v{state.canary} is {now} by hand: its traffic share is now 0")
+            state.canary, state.canary_since, state.canary_cycles = None, None, 0
+        live = self.registry.live()
+        served = self.champion_weights.last.version if self.champion_weights.last else -1
+        if live.version > served:
+            self.champion_weights.publish(_weights(live.checkpoint), live.version)
+            actions.append(f"live v{live.version} (set by hand) published to the champion arm")
+        elif live.version < served:
+            raise RuntimeError(
+                f"the registry's live version is v{live.version} but the champion arm serves v{served}: a live "
+                "version was rolled back outside the loop. Serve it by starting the gateway on its checkpoint "
+                f"({live.checkpoint}) with a fresh champion weight store, then restart the loop.")
+        for action in actions:
+            self.console.print(f"registry: {action}")
+        self._save()
+        return actions
 
     def _judge_canary(self, window_end: float) -> dict[str, Any]:
         state, cfg = self.state, self.config

@@ -100,8 +100,10 @@ def _ab_table(ab: dict[str, Any]) -> str:
         relative = "-" if m["relative"] is None else f"{100 * m['relative']:+.2f}%"
         rows.append(f"<tr><td>{html.escape(m['label'])}</td><td>{cell(m['champion'])} (n={m['n_champion']})</td>"
                     f"<td>{cell(m['candidate'])} (n={m['n_candidate']})</td><td>{cell(m['difference'], True)}</td>"
-                    f"<td>{relative}</td></tr>")
-    head = "<tr><th>metric</th><th>champion</th><th>candidate</th><th>difference [95% CI]</th><th>relative</th></tr>"
+                    f"<td>{relative}</td><td>{html.escape(m.get('method', ''))}</td></tr>")
+    level = f"{ab.get('confidence', 0.95):.0%}"
+    head = (f"<tr><th>metric</th><th>champion</th><th>candidate</th><th>difference [{level} CI]</th><th>relative</th>"
+            "<th>method</th></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
 

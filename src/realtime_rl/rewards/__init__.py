@@ -12,7 +12,7 @@ and its events into a settlement; ledger.py settles each reward once; replay.py 
 traffic; monitors.py compares a candidate's behaviour with the champion's.
 """
 
-from realtime_rl.rewards.actions import ACTIONS, EDIT_TOOLS, QUESTION_TOOL, Action, classify
+from realtime_rl.rewards.actions import ACTIONS, EDIT_TOOLS, QUESTION_TOOL, Action, classify, classify_reply
 from realtime_rl.rewards.ledger import LedgerStats, LedgerUpdate, RewardLedger, SettledReward
 from realtime_rl.rewards.monitors import (
     Interaction, MonitorReport, MonitorResult, compare, interaction_from_episode, interactions_from_completion,
@@ -24,6 +24,7 @@ from realtime_rl.rewards.rules import Component, Item, Settlement, items_from_co
 __all__ = [
     "ACTIONS", "EDIT_TOOLS", "QUESTION_TOOL", "Action", "Component", "Interaction", "Item", "LedgerStats",
     "LedgerUpdate", "MonitorReport", "MonitorResult", "ReplayReport", "RewardLedger", "Settlement", "SettledReward",
-    "Summary", "Traffic", "classify", "compare", "interaction_from_episode", "interactions_from_completion",
-    "items_from_completion", "read_traffic", "replay", "request_metadata", "settle", "traffic_interactions",
+    "Summary", "Traffic", "classify", "classify_reply", "compare", "interaction_from_episode",
+    "interactions_from_completion", "items_from_completion", "read_traffic", "replay", "request_metadata", "settle",
+    "traffic_interactions",
 ]

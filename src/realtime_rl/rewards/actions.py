@@ -15,6 +15,7 @@ library does not load the environments package (and torch) to read three strings
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal, get_args
 
 from realtime_rl.collect import ChoiceRecord
@@ -25,12 +26,20 @@ EDIT_TOOLS = frozenset({"write_file", "edit_file"})
 QUESTION_TOOL = "ask_user"
 
 
-def classify(choice: ChoiceRecord) -> Action:
-    if choice.tool_call_errors:
+def classify_reply(tool_names: Iterable[str], malformed: int, content: str) -> Action:
+    """The rule above on the parts of a reply: the names of its well-formed tool calls, how many calls the
+    parser rejected, and its text outside tool calls. The agent loop records these of its first turn, so an
+    evaluation episode is classified exactly as the same reply served to a user would be."""
+    if malformed:
         return "malformed"
-    if choice.finish_reason == "tool_calls" and choice.tool_calls:
-        names = {call.function.name for call in choice.tool_calls}
+    names = set(tool_names)
+    if names:
         if names & EDIT_TOOLS:
             return "edit"
         return "question" if QUESTION_TOOL in names else "other"
-    return "question" if (choice.content or "").rstrip().endswith("?") else "other"
+    return "question" if content.rstrip().endswith("?") else "other"
+
+
+def classify(choice: ChoiceRecord) -> Action:
+    calls = choice.tool_calls if choice.finish_reason == "tool_calls" else []
+    return classify_reply((call.function.name for call in calls), len(choice.tool_call_errors), choice.content or "")
