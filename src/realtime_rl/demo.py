@@ -21,6 +21,7 @@ import secrets
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,9 @@ from rich.console import Console
 from rich.table import Table
 
 from realtime_rl.collect import open_event_store
-from realtime_rl.config import ApiKey, DemoConfig, ServeConfig
+from realtime_rl.config import ABConfig, ApiKey, DemoConfig, ServeConfig
 from realtime_rl.environments.users import run_simulated_users
-from realtime_rl.evaluate import ab_records
+from realtime_rl.evaluate import ABRecord, ABReport, ab_records, analyze
 from realtime_rl.loop import RealtimeLoop
 from realtime_rl.loop.report import write_report
 from realtime_rl.rewards import read_traffic
@@ -39,22 +40,38 @@ from realtime_rl.serve import serve_in_thread
 from realtime_rl.train import ensure_base_model
 
 
-def traffic_by_version(run_dir: Path, since: float, until: float) -> dict[int, dict[str, float]]:
-    """Edits kept and dissatisfied follow-ups of the traffic in [since, until), per served version."""
+def _traffic(run_dir: Path, since: float, until: float) -> tuple[dict[str, int], list[ABRecord]]:
     store = open_event_store(run_dir, "sqlite")
     try:
         traffic = read_traffic(store, since, until)
     finally:
         store.close()
     version = {c.completion_id: c.model_version for c in traffic.completions}
+    return version, ab_records(traffic.completions, [e for evs in traffic.events.values() for e in evs])
+
+
+def traffic_by_version(run_dir: Path, since: float, until: float) -> dict[int, dict[str, float]]:
+    """Completions, edits kept and reverted, and dissatisfied follow-ups of the traffic in [since, until),
+    per served version."""
+    version, records = _traffic(run_dir, since, until)
     out: dict[int, dict[str, float]] = {}
-    for r in ab_records(traffic.completions, [e for evs in traffic.events.values() for e in evs]):
-        s = out.setdefault(version[r.completion_id], {"completions": 0, "edits": 0, "kept": 0, "dissatisfied": 0})
+    for r in records:
+        s = out.setdefault(version[r.completion_id], {"completions": 0, "kept": 0, "reverted": 0, "dissatisfied": 0})
         s["completions"] += 1
-        s["edits"] += r.edited
         s["kept"] += r.kept
+        s["reverted"] += r.reverted
         s["dissatisfied"] += r.dissatisfied
     return out
+
+
+def traffic_progress(run_dir: Path, base: int, live: int, since: float, until: float) -> ABReport:
+    """Edits kept, dissatisfied follow-ups and latency of everything `live` served against everything `base`
+    served, intervals clustered by user (the A/B analysis with the two versions as its arms). The two served
+    at different times: a comparison of versions under the same users, not a randomised experiment."""
+    version, records = _traffic(run_dir, since, until)
+    arms = {base: "champion", live: "candidate"}
+    paired = [replace(r, arm=arms[version[r.completion_id]]) for r in records if version[r.completion_id] in arms]
+    return analyze(paired, ABConfig(min_completions_per_arm=1, min_edits_per_arm=1, min_users_per_arm=2))
 
 
 def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, Any]:
@@ -65,8 +82,8 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     t0 = time.perf_counter()
 
     console.rule("1. the base model")
-    base = ensure_base_model(config.pretrain.model_copy(update={"run_dir": run_dir / "pretrain"}))
-    console.print(f"base model: {base}")
+    base_checkpoint = ensure_base_model(config.pretrain.model_copy(update={"run_dir": run_dir / "pretrain"}))
+    console.print(f"base model: {base_checkpoint}")
 
     console.rule("2. the gateway, 3. simulated users, 4. the real-time loop")
     loop_dir, serve_dir = run_dir / "loop", run_dir / "serve"
@@ -74,14 +91,14 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
         shutil.rmtree(old, ignore_errors=True)
     users_key = ApiKey(name="users", key=secrets.token_hex(16), scopes=["inference", "feedback"])
     admin_key = ApiKey(name="loop", key=secrets.token_hex(16), scopes=["admin"])
-    settings = ServeConfig(checkpoint=base, run_dir=serve_dir, api_keys=[users_key, admin_key], port=0,
+    settings = ServeConfig(checkpoint=base_checkpoint, run_dir=serve_dir, api_keys=[users_key, admin_key], port=0,
                            max_batch=config.max_batch, max_seq_len=4096, default_max_tokens=400,
                            weights=str(RealtimeLoop.champion_store(loop_dir)),
                            candidate_weights=str(RealtimeLoop.candidate_store(loop_dir)), weights_poll_s=0.5)
     stop = threading.Event()
     with serve_in_thread(settings) as url:
         loop = RealtimeLoop(config.loop.model_copy(update={
-            "run_dir": loop_dir, "base_checkpoint": base, "gateway_url": url, "admin_key": admin_key.key,
+            "run_dir": loop_dir, "base_checkpoint": base_checkpoint, "gateway_url": url, "admin_key": admin_key.key,
             "store": "sqlite", "store_dir": serve_dir, "seed": config.seed}), console)
         users_config = config.users.model_copy(update={
             "base_url": url, "api_key": users_key.key, "tasks_dir": run_dir / "user-tasks", "seed": config.seed})
@@ -90,6 +107,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
         users.start()
         try:
             reports = loop.run()
+            progress = loop.progress()
         finally:
             stop.set()
             users.join(120)
@@ -106,10 +124,42 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
         verdict = f"v{canary['version']} {canary['decision']}" if canary else "-"
         gated = f"v{gate['version']} {gate['decision']}" if gate else "-"
         for version, s in sorted(traffic_by_version(serve_dir, since, until).items()):
-            kept = f"{100 * s['kept'] / s['edits']:.1f} ({s['kept']}/{s['edits']})" if s["edits"] else "-"
+            resolved = s["kept"] + s["reverted"]
+            kept = f"{100 * s['kept'] / resolved:.1f} ({s['kept']}/{resolved})" if resolved else "-"
             table.add_row(str(r["cycle"]), f"v{r['live_version']}", f"v{version}", str(s["completions"]), kept,
                           f"{100 * s['dissatisfied'] / s['completions']:.1f}", verdict, gated)
     console.print(table)
+
+    base, live = progress["base"], progress["live"]
+    progress["traffic"] = None
+    if live != base:
+        served = traffic_progress(serve_dir, base, live, starts[0], starts[-1])
+        progress["traffic"] = served.to_dict()
+        kept = served.metrics["edits_kept"]
+        table = Table(title=f"did the agent improve? v{live} (live at the end) against v{base} (the base)")
+        for column in ("measure", f"v{base}", f"v{live}", "difference [CI]", "test"):
+            table.add_column(column, justify="left" if column in ("measure", "test") else "right")
+        table.add_row(f"gate suite pass@1 ({progress['tasks']} tasks, paired)",
+                      f"{100 * progress['champion_pass_at_1']:.1f}%", f"{100 * progress['candidate_pass_at_1']:.1f}%",
+                      f"{100 * progress['difference']:+.1f} [{100 * progress['ci'][0]:+.1f}, "
+                      f"{100 * progress['ci'][1]:+.1f}] ({progress['ci_level']:.0%})",
+                      f"Tango one-sided p={progress['p_value']:.3g}, McNemar exact p={progress['mcnemar_exact_p']:.3g}")
+        table.add_row(f"edits kept % (served traffic, {served.arms['champion']['units']} + "
+                      f"{served.arms['candidate']['units']} users)",
+                      _pct(kept.champion), _pct(kept.candidate), _pct(kept.difference, sign=True) + f" ({served.confidence:.0%})",
+                      f"{kept.method}, p={'-' if kept.p_value is None else f'{kept.p_value:.3g}'}")
+        console.print(table)
+    else:
+        console.print(f"no candidate was promoted: v{base} is still live")
     minutes = (time.perf_counter() - t0) / 60
     console.print(f"report: {report_path} ({minutes:.1f} min in all)")
-    return {"cycles": reports, "report": str(report_path), "minutes": minutes, "base_checkpoint": str(base)}
+    return {"cycles": reports, "progress": progress, "report": str(report_path), "minutes": minutes,
+            "base_checkpoint": str(base_checkpoint)}
+
+
+def _pct(e: Any, sign: bool = False) -> str:
+    if e.value is None:
+        return "-"
+    fmt = "{:+.1f}" if sign else "{:.1f}"
+    text = fmt.format(100 * e.value)
+    return text + (f" [{fmt.format(100 * e.low)}, {fmt.format(100 * e.high)}]" if e.low is not None else "")

@@ -28,6 +28,7 @@ def test_demo_runs_the_real_time_loop_end_to_end(tmp_path):
     proc = run("demo", *[a for s in sets for a in ("--set", s)], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cycle by cycle" in proc.stdout and "report:" in proc.stdout
+    assert "did the agent improve?" in proc.stdout or "no candidate was promoted" in proc.stdout
     cycles = [json.loads(line) for line in (tmp_path / "loop" / "cycles.jsonl").read_text().splitlines()]
     assert [c["cycle"] for c in cycles] == [1, 2] and cycles[0]["rewards"]["new_completions"] > 0
     assert "<svg" in (tmp_path / "loop" / "report.html").read_text() or cycles[0].get("train", {}).get("skipped")

@@ -93,6 +93,21 @@ def test_each_segment_trains_with_the_episode_advantage(tmp_path):
     assert metrics["train/trained_sequences"] == 2 * with_signal
 
 
+def test_negative_weight_scales_what_failed_and_zero_learns_only_from_what_worked(tmp_path):
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    trainers = {w: RLTrainer(_model(), None, RLConfig(group_size=8, negative_weight=w), tmp_path / str(w))
+                for w in (1.0, 0.0)}
+    engine.update_weights(trainers[1.0].weights(), 0)
+    episodes = _episodes(engine, 0)
+    signal = [e for e in episodes if len({x.passed for x in episodes if x.group_id == e.group_id}) > 1]
+    above = [e for e in signal if e.passed]
+    metrics = {w: t.step(episodes) for w, t in trainers.items()}
+    assert metrics[1.0]["train/trained_sequences"] == len(signal)
+    assert metrics[0.0]["train/trained_sequences"] == len(above)  # below-baseline episodes: no forward at all
+    with pytest.raises(ValueError):
+        RLConfig(negative_weight=1.5)
+
+
 def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     batches = [_episodes(engine, s) for s in range(4)]

@@ -89,6 +89,11 @@ class RLConfig(StrictModel):
     """RLOO baseline (mean of the other episodes of the group) instead of the group mean."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (GRPO)."""
+    negative_weight: float = Field(1.0, ge=0.0, le=1.0)
+    """Scale of negative advantages (episodes worse than their baseline). 1: the plain policy gradient. Below
+    1 the step leans on what worked: 0 learns only from better-than-baseline episodes (filtered behaviour
+    cloning, as RAFT and ReST). On a peaked policy trained on few episodes, full-weight negatives push
+    probability onto arbitrary tokens and entropy blows up (benchmarks/BENCHMARKS.md, "loop")."""
     minibatches: int = Field(1, ge=1, le=1024)
     """Optimizer steps per batch; with 1 (and ppo_epochs 1) the proximal policy is the current one."""
     ppo_epochs: int = Field(1, ge=1, le=64)

@@ -375,7 +375,7 @@ class RealtimeLoop:
                            f"(mean reward {metrics['train/reward_mean']:+.3f})")
         return candidate
 
-    def _evaluate(self, version: PolicyVersion) -> tuple[list[EpisodeOutcome], list[EpisodeOutcome]]:
+    def evaluate(self, version: PolicyVersion) -> tuple[list[EpisodeOutcome], list[EpisodeOutcome]]:
         """The version's gate and canary outcomes (cached: a champion is evaluated once)."""
         cache = self.run_dir / "evals" / f"v-{version.version:06d}-{self._eval_key()}.json"
         if cache.is_file():
@@ -392,11 +392,23 @@ class RealtimeLoop:
         cache.write_text(json.dumps({"gate": [asdict(o) for o in gate], "canary": [asdict(o) for o in canary]}))
         return gate, canary
 
+    def progress(self) -> dict[str, Any]:
+        """The live version against the first one (the base) on the gate suite: the same tasks with the same
+        seeds, so their outcomes pair up task by task. The difference of pass@1 with its Tango interval and
+        one-sided p (superiority: margin 0) and McNemar's exact p (evaluations are cached: usually free)."""
+        base, live = min(self.registry.list(), key=lambda v: v.version), self.registry.live()
+        base_gate, _ = self.evaluate(base)
+        live_gate, _ = self.evaluate(live)
+        evidence = decide(base_gate, live_gate, [], [], self.config.gate.model_copy(update={"margin": 0.0})).evidence
+        keep = ("tasks", "champion_pass_at_1", "candidate_pass_at_1", "difference", "ci", "ci_level", "p_value",
+                "mcnemar_exact_p", "candidate_only", "champion_only")
+        return {"base": base.version, "live": live.version} | {k: evidence[k] for k in keep}
+
     def _gate_and_deploy(self, candidate: PolicyVersion) -> dict[str, Any]:
         cfg, state = self.config, self.state
         champion = self.registry.live()
-        champ_gate, champ_canary = self._evaluate(champion)
-        cand_gate, cand_canary = self._evaluate(candidate)
+        champ_gate, champ_canary = self.evaluate(champion)
+        cand_gate, cand_canary = self.evaluate(candidate)
         difficulty = {t.task_id: str(t.metadata.get("difficulty")) for t in self.gate_tasks}
         monitors = compare([_interaction(o, difficulty.get(o.task_id)) for o in champ_gate],
                            [_interaction(o, difficulty.get(o.task_id)) for o in cand_gate], cfg.monitors)

@@ -148,6 +148,7 @@ class RLTrainer:
         for members in groups.values():
             adv = group_advantages(torch.tensor([rewards[e.episode_id] for e in members]),
                                    cfg.leave_one_out, cfg.std_normalize)
+            adv = torch.where(adv < 0, adv * cfg.negative_weight, adv)
             for e, a in zip(members, adv.tolist()):
                 if a != 0.0:  # zero-advantage episodes carry no gradient: skip their forward
                     items += [(s, a) for s in e.segments if s.loss_mask.any()]
