@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -165,3 +166,35 @@ def test_interactions_from_eval_episodes():
     # Eval episodes have no follow-ups: the dissatisfied monitor has nothing to judge there.
     eps = [interaction_from_episode(episode("submit", 0, 10, {})) for _ in range(40)]
     assert by_metric(compare(eps, eps))["dissatisfied_rate"].status == "insufficient_data"
+
+
+def test_first_turns_and_follow_ups_are_compared_apart():
+    """A model that breaks nearly every follow-up (both versions do) must not alarm because one arm's users
+    sent more follow-ups (the demo's first run with a pooled rate: 4.8% -> 23.8% malformed, a false alarm)."""
+    def arm(first: int, first_broken: int, later: int) -> list[Interaction]:
+        out = [Interaction("malformed" if k < first_broken else "edit", int(k < first_broken), 60, "1", False)
+               for k in range(first)]
+        return out + [Interaction("malformed", 1, 60, "1", True, followup=True) for _ in range(later)]
+
+    report = compare(arm(80, 4, 4), arm(130, 1, 40))  # pooled: 8/84 vs 41/170 malformed
+    m = by_metric(report)
+    assert not report.blocking, [r.reason for r in report.alarms]
+    assert (m["malformed_rate"].champion_n, m["malformed_rate"].candidate_n) == (80, 130)  # first turns
+    assert (m["malformed_rate[turn=followup]"].champion_n, m["malformed_rate[turn=followup]"].candidate_n) == (4, 40)
+    assert "response_tokens[turn=followup]" in m and "malformed_rate[difficulty=1]" in m
+
+    broken = compare(arm(80, 4, 4), arm(130, 40, 40))  # first turns break too: still an alarm
+    assert broken.blocking and by_metric(broken)["malformed_rate"].status == "alarm"
+
+
+def test_a_follow_up_is_read_from_the_request():
+    from realtime_rl.rewards.monitors import is_followup
+
+    def record(request_json: str) -> CompletionRecord:
+        return replace(completion("c", ["edit"], version=1, difficulty="1"), request_json=request_json)
+
+    user = {"role": "user", "content": "write add"}
+    assert not is_followup(record(json.dumps({"messages": [{"role": "system", "content": "s"}, user]})))
+    assert is_followup(record(json.dumps({"messages": [user, {"role": "assistant", "content": "done"},
+                                                       {"role": "user", "content": "no"}]})))
+    assert not is_followup(record("not json"))

@@ -341,7 +341,10 @@ class RealtimeLoop:
         allowed = [v.version for v in self.registry.lineage(live.version)][: cfg.max_staleness + 1]
         settled = self.ledger.settled(after_seq=state.trained_through)
         on_policy = [s for s in settled if s.model_version in allowed]
-        report["train"] = {"settled": len(settled), "on_policy": len(on_policy), "allowed_versions": allowed}
+        passed_over = max(0, len(on_policy) - cfg.max_trajectories) if cfg.max_trajectories else 0
+        report["train"] = {"settled": len(settled), "on_policy": len(on_policy), "allowed_versions": allowed,
+                           "passed_over": passed_over}
+        on_policy = on_policy[passed_over:]  # settled in order: the newest are the last
         if len(on_policy) < cfg.min_trajectories:
             report["train"]["skipped"] = f"{len(on_policy)} on-policy trajectories < min_trajectories"
             if settled and not on_policy:

@@ -16,8 +16,10 @@ tests one-sided, in the harmful direction only:
   dissatisfied_rate  with a dissatisfied follow-up   higher is harmful  (live traffic only)
   response_tokens    generated tokens                higher is harmful  (length hacking)
 
-The three action rates are also run per task difficulty (the questions hack concentrates on hard
-tasks). Rates use Fisher's exact test (valid at any count, zeros included); length uses the
+Every monitor compares first turns of conversations (the metric's plain name) apart from follow-up turns
+(`[turn=followup]`, when there are any): the two behave differently, and the arms' mix of them differs
+with their users, so a pooled rate could alarm on the mix alone. The three action rates of first turns
+are also run per task difficulty (the questions hack concentrates on hard tasks). Rates use Fisher's exact test (valid at any count, zeros included); length uses the
 Mann-Whitney U test. A monitor needs `min_samples` records on each side (else "insufficient data",
 which is not "ok" and does not block by itself) and alarms only when its Holm-adjusted p-value
 (family-wise alpha across the report's monitors) is below alpha AND the change is at least the
@@ -29,6 +31,7 @@ Not here: deciding promotion (evaluate's gate reads `blocking`), reading the sto
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,14 +62,26 @@ class Interaction:
     difficulty: str | None = None
     dissatisfied: bool | None = None
     """Whether a followup_dissatisfied arrived; None where no follow-up can exist (eval episodes)."""
+    followup: bool = False
+    """A later turn of a conversation (the request already held an assistant or tool message), not its first."""
 
 
 def interactions_from_completion(record: CompletionRecord, events: Sequence[FeedbackEvent]) -> list[Interaction]:
     """One Interaction per choice; `events` are the events about the completion (any choice)."""
     dissatisfied = {e.choice_index or 0 for e in events
                     if e.completion_id == record.completion_id and e.type == "followup_dissatisfied"}
+    followup = is_followup(record)
     return [Interaction(item.kind, item.malformed_calls, item.response_tokens, item.difficulty,
-                        item.choice_index in dissatisfied) for item in items_from_completion(record)]
+                        item.choice_index in dissatisfied, followup) for item in items_from_completion(record)]
+
+
+def is_followup(record: CompletionRecord) -> bool:
+    """Whether the request continued a conversation: an assistant or tool message precedes the reply."""
+    try:
+        messages = json.loads(record.request_json).get("messages", [])
+    except (ValueError, AttributeError):
+        return False
+    return any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in messages)
 
 
 def traffic_interactions(traffic: Traffic, model_versions: Collection[int] | None = None) -> list[Interaction]:
@@ -200,17 +215,26 @@ def compare(champion: Sequence[Interaction], candidate: Sequence[Interaction],
     """Run every monitor on the two samples; see the module docstring for the rules."""
     config = config or MonitorConfig()
     runs: list[tuple[MonitorResult, float, float]] = []  # result, effect, minimum effect
+    # First turns and follow-ups are compared apart: they behave differently (a model trained on first turns
+    # may break most follow-ups), and the arms' mix of the two differs with their users, so a pooled rate
+    # can move with the mix alone (Simpson's paradox). Eval episodes are first turns.
+    first = ([i for i in champion if not i.followup], [i for i in candidate if not i.followup])
+    later = ([i for i in champion if i.followup], [i for i in candidate if i.followup])
+    strata = [("", *first)] + ([("[turn=followup]", *later)] if any(later) else [])
     for rate in RATES:
-        groups: list[tuple[str, Sequence[Interaction], Sequence[Interaction]]] = [(rate.name, champion, candidate)]
+        groups: list[tuple[str, Sequence[Interaction], Sequence[Interaction]]] = [
+            (rate.name + suffix, a, b) for suffix, a, b in strata]
         if rate.by_difficulty and config.split_by_difficulty:
-            levels = sorted({i.difficulty for i in (*champion, *candidate) if i.difficulty is not None})
-            groups += [(f"{rate.name}[difficulty={d}]", [i for i in champion if i.difficulty == d],
-                        [i for i in candidate if i.difficulty == d]) for d in levels]
+            levels = sorted({i.difficulty for i in (*first[0], *first[1]) if i.difficulty is not None})
+            groups += [(f"{rate.name}[difficulty={d}]", [i for i in first[0] if i.difficulty == d],
+                        [i for i in first[1] if i.difficulty == d]) for d in levels]
         for metric, a, b in groups:
             result, change = _rate_monitor(rate, metric, a, b, config)
             runs.append((result, change, config.min_rate_change))
-    result, ratio = _length_monitor(champion, candidate, config)
-    runs.append((result, ratio, config.min_length_ratio))
+    for suffix, a, b in strata:
+        result, ratio = _length_monitor(a, b, config)
+        result.metric += suffix
+        runs.append((result, ratio, config.min_length_ratio))
 
     tested = [(r, effect, minimum) for r, effect, minimum in runs if r.p_value is not None]
     if tested:
@@ -224,7 +248,7 @@ def compare(champion: Sequence[Interaction], candidate: Sequence[Interaction],
 
 
 def _reason(r: MonitorResult, significant: bool, large: bool, minimum: float) -> str:
-    if r.metric == "response_tokens":
+    if r.metric.startswith("response_tokens"):
         change = f"mean response length {r.champion:.1f} -> {r.candidate:.1f} tokens"
         small = f"below the {minimum:g}x minimum"
     else:
