@@ -3,11 +3,11 @@ stores) with users on the official `openai` client who post feedback through the
 
 Cycle 1 trains a candidate from the settled traffic of version 0, the gate (same held-out tasks, same
 seeds) passes it, and it goes out as a canary: the gateway's candidate arm hot-swaps to it and gets
-users. The users of this test prefer whatever the candidate arm answers (they keep its edits and revert
-the champion's), so cycle 2's A/B promotes it: the champion arm now serves it, the registry says live.
-Cycle 2 also trains and canaries the next candidate; the users turn against it and cycle 3's A/B rolls
-it back. Every decision is in the
-registry with its evidence, in cycles.jsonl and in report.html.
+users. The users of this test keep the first canary's edits and revert everyone else's, so cycle 2's
+A/B promotes it: the champion arm now serves it, the registry says live. Cycle 2 also trains and canaries
+the next candidate, whose edits the users revert, and cycle 3's A/B rolls it back. An operator's hand-made
+registry changes are then followed. Every decision is in the registry with its evidence, in cycles.jsonl
+and in report.html.
 """
 
 from __future__ import annotations
@@ -39,12 +39,14 @@ def event(kind: str, completion_id: str, **fields: object) -> dict:
 
 
 class Users:
-    """Users who ask, then keep or revert the answer by which arm gave it (the test's stand-in for taste)."""
+    """Users who ask, then keep or revert the answer (the test's stand-in for taste): they keep the candidate
+    arm's edits until `liked_version` is set, then the edits of that version only, whichever arm serves it
+    (so no switch of taste races a cycle's end)."""
 
     def __init__(self, url: str) -> None:
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[0].key, timeout=30, max_retries=2)
         self.feedback = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEYS[0].key}"}, timeout=30)
-        self.prefer = "candidate"
+        self.liked_version: int | None = None
         self.stop = threading.Event()
         self.errors: list[str] = []
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -58,7 +60,8 @@ class Users:
                     model="rtrl-policy", messages=[{"role": "user", "content": "Write a function that sorts."}],
                     max_tokens=4, user=user, metadata={"task_id": "sort", "difficulty": "1"})
                 arm, completion = raw.headers["x-rtrl-arm"], raw.parse()
-                liked = arm == self.prefer
+                liked = (arm == "candidate" if self.liked_version is None
+                         else completion.system_fingerprint == f"rtrl-v{self.liked_version}")
                 events = [event("edit_accepted", completion.id),
                           event("edit_persisted", completion.id, window_s=1.0) if liked
                           else event("edit_reverted", completion.id)]
@@ -83,6 +86,7 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
         config = LoopConfig(
             run_dir=loop_dir, base_checkpoint=base, gateway_url=url, admin_key=KEYS[1].key, store_dir=serve_dir,
             cycles=1, cycle_period_s=8.0, rewards=rules, rl=RLConfig(lr=1e-3), train_steps=2, min_trajectories=16,
+            max_trajectories=24,
             gate=GateConfig(margin=0.5, concurrency=4), gate_tasks=4, canary_tasks=2,
             agent=LoopConfig().agent.model_copy(update={"max_new_tokens": 24}),
             ab=ABConfig(candidate_fraction=0.5, min_completions_per_arm=10, min_edits_per_arm=8),
@@ -94,7 +98,10 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
             first = loop.run_cycle()
             assert not users.errors, users.errors
             assert first["train"]["on_policy"] >= 16 and first["gate"]["decision"] == "canary", first
+            train = first["train"]  # the newest 24 train; the rest are passed over for good
+            assert train["train/trajectories"] == min(24, train["on_policy"]) == train["on_policy"] - train["passed_over"]
             candidate = first["gate"]["version"]
+            users.liked_version = candidate  # they keep this canary's edits now, and after it is promoted
             assert loop.registry.get(candidate).state == "canary" and loop.registry.get(candidate).parent == 0
             assert loop.gateway.traffic()["arms"]["candidate"]["version"] == candidate
 
@@ -111,7 +118,7 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
             assert loop.gateway.traffic()["arms"]["champion"]["version"] == candidate  # delta reached the gateway
 
             assert second["gate"]["decision"] == "canary" and second["gate"]["champion"] == candidate
-            users.prefer = "champion"  # now they revert the next canary's edits
+            # the users revert the next canary's edits: they like the version now live
             third = loop.run_cycle()
             assert third["canary"]["decision"] == "rollback", third["canary"]["reason"]
             rolled = third["canary"]["version"]
