@@ -146,7 +146,8 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
                       f"Tango one-sided p={progress['p_value']:.3g}, McNemar exact p={progress['mcnemar_exact_p']:.3g}")
         table.add_row(f"edits kept % (served traffic, {served.arms['champion']['units']} + "
                       f"{served.arms['candidate']['units']} users)",
-                      _pct(kept.champion), _pct(kept.candidate), _pct(kept.difference, sign=True) + f" ({served.confidence:.0%})",
+                      kept.champion.text(100, 1), kept.candidate.text(100, 1),
+                      kept.difference.text(100, 1, sign=True) + f" ({served.confidence:.0%})",
                       f"{kept.method}, p={'-' if kept.p_value is None else f'{kept.p_value:.3g}'}")
         console.print(table)
     else:
@@ -155,11 +156,3 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     console.print(f"report: {report_path} ({minutes:.1f} min in all)")
     return {"cycles": reports, "progress": progress, "report": str(report_path), "minutes": minutes,
             "base_checkpoint": str(base_checkpoint)}
-
-
-def _pct(e: Any, sign: bool = False) -> str:
-    if e.value is None:
-        return "-"
-    fmt = "{:+.1f}" if sign else "{:.1f}"
-    text = fmt.format(100 * e.value)
-    return text + (f" [{fmt.format(100 * e.low)}, {fmt.format(100 * e.high)}]" if e.low is not None else "")

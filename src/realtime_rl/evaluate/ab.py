@@ -122,6 +122,16 @@ class Estimate:
     low: float | None = None
     high: float | None = None
 
+    def text(self, scale: float = 1.0, digits: int = 3, sign: bool = False) -> str:
+        """"41.9 [31.9, 51.8]" (value and interval times `scale`), "-" without a value."""
+        if self.value is None:
+            return "-"
+        fmt = f"{{:{'+' if sign else ''}.{digits}f}}"
+        text = fmt.format(self.value * scale)
+        if self.low is not None and self.high is not None:
+            text += f" [{fmt.format(self.low * scale)}, {fmt.format(self.high * scale)}]"
+        return text
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -178,13 +188,7 @@ class ABReport:
 
 
 def _cell(e: Estimate, scale: float, digits: int, n: int | None = None, sign: bool = False) -> str:
-    if e.value is None:
-        return "-"
-    fmt = f"{{:{'+' if sign else ''}.{digits}f}}"
-    text = fmt.format(e.value * scale)
-    if e.low is not None and e.high is not None:
-        text += f" [{fmt.format(e.low * scale)}, {fmt.format(e.high * scale)}]"
-    return text + (f" (n={n})" if n is not None else "")
+    return e.text(scale, digits, sign) + (f" (n={n})" if n is not None and e.value is not None else "")
 
 
 def _finite(x: Any) -> float | None:
