@@ -36,7 +36,7 @@ from realtime_rl.config import (
 from realtime_rl.config.users import SimulateUsersConfig
 from realtime_rl.environments import TOOL_SCHEMAS, generate_tasks, load_tasks
 from realtime_rl.environments.users import run_simulated_users
-from realtime_rl.environments.users.session import first_turn_messages
+from realtime_rl.environments.agent_loop import first_turn_messages
 from realtime_rl.loop import RealtimeLoop
 from realtime_rl.model import load_checkpoint, save_checkpoint
 from realtime_rl.model.chat import parse_assistant

@@ -92,3 +92,11 @@ def test_model_config_invariants():
     with pytest.raises(ValueError, match="mlp_only_layers"):
         ModelConfig(num_hidden_layers=2, mlp_only_layers=[5])
     assert ModelConfig(num_experts=4, num_hidden_layers=4, decoder_sparse_step=2).moe_layers == [1, 3]
+
+
+def test_prefix_reuse_across_versions_stays_within_the_staleness_bound():
+    from realtime_rl.config import RolloutConfig, TrainConfig
+
+    assert TrainConfig(max_staleness=2, rollout=RolloutConfig(prefix_max_age=2)).rollout.prefix_max_age == 2
+    with pytest.raises(ValueError, match="may not exceed max_staleness"):
+        TrainConfig(max_staleness=1, rollout=RolloutConfig(prefix_max_age=2))

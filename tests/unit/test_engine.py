@@ -256,3 +256,33 @@ def test_prefix_cache_is_dropped_at_a_weight_swap(moe):
     engine.step()  # the swap applies between steps
     engine.generate([p + out.token_ids], GREEDY)
     assert engine.prefix_hit_tokens == 0  # the prefix was computed by version 0's weights
+
+
+def test_rollout_engines_reuse_prefixes_up_to_a_bounded_age(moe):
+    """prefix_max_age 1 (RL rollouts with staleness bound 1): after one swap the next turn reuses the keys/values
+    version 0 computed and samples its new tokens with version 1; after a second swap they are too old."""
+    engine = Engine(moe, max_batch=2, max_seq_len=96, prefix_max_age=1)
+    p = prompts(12)[0]
+    out = engine.generate([p], GREEDY)[0].samples[0]
+    for version in (1, 2):
+        engine.update_weights({k: v.clone() for k, v in moe.named_parameters()}, version=version)
+        engine.step()
+        hits = engine.prefix_hit_tokens
+        turn = engine.generate([p + out.token_ids], GREEDY)[0].samples[0]
+        assert set(turn.versions) == {version}
+        # version 1 reuses version 0's prefix; version 2 must not (its oldest keys/values are 2 versions old)
+        assert engine.prefix_hit_tokens - hits == (len(p) + len(out.token_ids) - 1 if version == 1 else 0)
+
+
+def test_a_new_sequence_never_gets_older_keys_values(moe):
+    """Another episode sharing only the prompt (the system prompt, say) with a stale slot prefills afresh, so a
+    sequence whose every token the current weights generated is exactly on-policy; the same weights reuse it."""
+    engine = Engine(moe, max_batch=2, max_seq_len=96, prefix_max_age=2)
+    shared = prompts(12)[0]
+    engine.generate([shared + [5, 6]], GREEDY)
+    engine.update_weights({k: v.clone() for k, v in moe.named_parameters()}, version=1)
+    engine.step()
+    engine.generate([shared + [7, 8]], GREEDY)
+    assert engine.prefix_hit_tokens == 0
+    engine.generate([shared + [9, 10]], GREEDY)  # version 1 computed the last one: shared is reused
+    assert engine.prefix_hit_tokens == len(shared)

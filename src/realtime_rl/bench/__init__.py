@@ -24,6 +24,7 @@ BENCHMARKS = {
     "delta": "weight-delta ratio vs the peers' encodings and the entropy bound on real AdamW steps, codec speed, swap pause",
     "learn": "held-out pass@1 of the default base model, then after the default RL recipe, and the RL wall time",
     "async": "synchronous (staleness 0) against asynchronous RL: wall time for the same steps, trainer idle, pass@1",
+    "vs-trl": "our trainer against TRL's GRPOTrainer: same base, tasks, reward and machine; minutes to the same pass rate",
     "ingest": "durable feedback events/s over HTTP into `rtrl serve` (SQLite, Postgres) with retries: lost, duplicated",
 }
 
@@ -55,6 +56,6 @@ def environment() -> dict[str, Any]:
 def run_benchmark(name: str, quick: bool = False) -> dict[str, Any]:
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose from: {', '.join(sorted(BENCHMARKS))}")
-    module = importlib.import_module(f"realtime_rl.bench.{name}")
+    module = importlib.import_module(f"realtime_rl.bench.{name.replace('-', '_')}")
     metrics = module.run(quick=quick)
     return {"name": name, "metrics": metrics, "env": environment()}

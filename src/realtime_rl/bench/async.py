@@ -8,6 +8,10 @@ decoupled PPO with TIS/IcePop). Environment latency is that of real sandboxed te
 `RTRL_BENCH_TOOL_LATENCY` (seconds per tool turn) adds simulated latency to study overlap;
 `RTRL_BENCH_STEPS` and `RTRL_BENCH_EVAL_TASKS` shorten a run; `RTRL_BENCH_BASE=DIR` picks the base model.
 
+Both runs get room for (max_staleness + 1) batches of episodes in flight: the synchronous run can use
+one batch of it (the next is admitted only after the step that needs it), the asynchronous run all of it.
+That concurrency, with training overlapped, is what asynchrony buys when environments are slow.
+
 "The same pass@1": both runs end with a held-out pass@1 on the same tasks (reported, with the
 training reward of their last steps); the speedup is the ratio of wall times for the same steps.
 """
@@ -35,10 +39,12 @@ def run(quick: bool = False) -> dict[str, Any]:
         steps = config.steps if quick else int(os.environ.get("RTRL_BENCH_STEPS", STEPS))
         eval_tasks = 4 if quick else int(os.environ.get("RTRL_BENCH_EVAL_TASKS", EVAL_TASKS))
         bound = max(1, config.max_staleness)
+        in_flight = (bound + 1) * config.rl.groups_per_step * config.rl.group_size
         for mode, staleness in (("sync", 0), ("async", bound)):
             cfg = config.model_copy(update={
                 "run_dir": Path(tmp) / mode, "steps": steps, "max_staleness": staleness, "max_minutes": None,
-                "rollout": config.rollout.model_copy(update={"tool_latency_s": latency})})
+                "rollout": config.rollout.model_copy(update={"tool_latency_s": latency,
+                                                             "episodes_in_flight": in_flight})})
             summary = train(cfg, show_progress=not quick)
             evaluation = heldout_pass_at_1(summary["checkpoint"], num_tasks=eval_tasks,
                                            max_difficulty=config.rollout.max_difficulty)
@@ -60,5 +66,6 @@ def run(quick: bool = False) -> dict[str, Any]:
         "sync_rollout_tokens_per_s": sync["rollout_tokens_per_s"],
         "async_rollout_tokens_per_s": asyn["rollout_tokens_per_s"],
         "tool_latency_s": latency,
+        "episodes_in_flight": in_flight,
         "eval_tasks": eval_tasks,
     }

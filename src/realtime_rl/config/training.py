@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from realtime_rl.config.base import StrictModel
 from realtime_rl.config.components import AgentConfig, ModelConfig, SandboxConfig, TokenizerTrainConfig
@@ -44,7 +44,7 @@ class PretrainConfig(StrictModel):
     question_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of first-turn documents that ask the user a clarifying question (ask_user) instead of writing:
     the base policy then asks sometimes, as agents do, and a naive reward can learn to ask instead of act."""
-    steps: int = Field(1000, ge=1, le=10_000_000)
+    steps: int = Field(1250, ge=1, le=10_000_000)
     """Optimizer steps."""
     batch_size: int = Field(16, ge=1, le=4096)
     """Sequences per step."""
@@ -146,6 +146,11 @@ class RolloutConfig(StrictModel):
     """Limits of test runs and grading."""
     timeout_s: float = Field(600.0, gt=0)
     """A worker that returns nothing for this long is an error (never a silent hang)."""
+    prefix_max_age: int | None = Field(None, ge=0)
+    """After a weight swap, an episode's next turn reuses keys/values computed by weights up to this many
+    versions old (engine prefix caching, as PipelineRL's in-flight updates) instead of re-prefilling its
+    context; the decoupled objective corrects the difference. None: the run's max_staleness (0, synchronous:
+    never reused across versions). At most max_staleness."""
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the trainer publishes its weights in. float32: the workers sample from exactly the
     trainer's weights (the delta is ~2-3x smaller than the weights: most fp32 elements move every step).
@@ -177,3 +182,11 @@ class TrainConfig(StrictModel):
     """The rollout workers."""
     checkpoint_keep: int = Field(2, ge=1, le=1000)
     """Checkpoints kept on disk (older ones are deleted after a newer one is durable)."""
+
+    @model_validator(mode="after")
+    def _prefix_within_staleness(self) -> TrainConfig:
+        age = self.rollout.prefix_max_age
+        if age is not None and age > self.max_staleness:
+            raise ValueError(f"rollout.prefix_max_age ({age}) may not exceed max_staleness ({self.max_staleness}): "
+                             "keys/values older than the bound would condition the tokens trained on")
+        return self

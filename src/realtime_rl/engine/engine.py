@@ -13,7 +13,16 @@ policy version whose weights produced it, its logprobs and its MoE routing.
 Prefix caching: a freed slot keeps its keys/values (and routing) until reused. A new request takes the
 free slot whose cached tokens share the longest prefix with its prompt and prefills only the rest, so
 an agent's next turn (its previous context + the tool results) costs only the new tokens. The cache is
-dropped at a weight swap: a prefix is reused only under the weights that computed it.
+reused only under the weights that computed it (`prefix_max_age` 0, the default: serving), or, with
+`prefix_max_age` k, by a continuation of the cached sequence (an agent's next turn: the new prompt runs
+past the old prompt into what was generated) while its oldest keys/values are at most k versions old. As
+with PipelineRL's in-flight updates, that turn reuses keys/values (and routing) older weights computed
+and only its new tokens see the new weights; its tokens' logprobs are still exactly what the sampler
+used, and the trainer's decoupled objective corrects the difference. An episode that has not yet spanned
+a swap never gets older keys/values (a new episode sharing only the system prompt with a stale slot
+prefills it afresh), so sequences whose every token the current weights generated stay exactly
+on-policy. Asynchronous RL rollouts set their staleness bound here: the trainer publishes every step,
+and otherwise every episode in flight would re-prefill its whole context after each one.
 
 Not here: paged attention, prefix sharing between running sequences, chunked prefill, speculative decoding.
 """
@@ -100,7 +109,7 @@ class _Request:
 class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
                  max_seq_len: int = 2048, version: int = 0, capture_routing: bool = True, seed: int = 0,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, prefix_max_age: int = 0) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError("need max_batch >= 1 and max_seq_len >= 2")
         self.model = model.eval()
@@ -115,8 +124,13 @@ class Engine:
         self.default_stop_ids = tokenizer.stop_token_ids if tokenizer is not None else []
         self._free_slots = list(range(max_batch))
         self.prefix_caching = prefix_caching
+        if prefix_max_age < 0:
+            raise ValueError(f"prefix_max_age must be >= 0, got {prefix_max_age}")
+        self.prefix_max_age = prefix_max_age
         self._slot_tokens: list[np.ndarray | None] = [None] * max_batch  # tokens whose KV a free slot holds
         self._slot_routing: list[torch.Tensor | None] = [None] * max_batch  # and their routing
+        self._slot_kv_version: list[int] = [version] * max_batch  # the version of a slot's oldest keys/values
+        self._slot_prompt_len: list[int] = [0] * max_batch  # how much of a slot's cache was its request's prompt
         self._slot_freed: list[int] = [-1] * max_batch  # when each slot was last freed (LRU eviction)
         self._frees = itertools.count()
         self.prefix_hit_tokens = 0
@@ -203,8 +217,6 @@ class Engine:
             for name, p in self.model.named_parameters():
                 p.data = staged[name]
         self.version = version
-        self._slot_tokens = [None] * self.max_batch  # cached prefixes were computed by the old weights
-        self._slot_routing = [None] * self.max_batch
         self.last_swap_pause_ms = (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------------------------------ the step
@@ -234,6 +246,8 @@ class Engine:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
                     gen = torch.Generator(device=self.device).manual_seed(seed)
                     slot, hit = self._take_slot(req.prompt_ids if i == 0 else None)
+                    if i:  # gets a copy of sample 0's prompt keys/values, cached part included
+                        self._slot_kv_version[slot] = self._slot_kv_version[req.seqs[0].slot]
                     reuse.append(hit)
                     req.seqs.append(_Seq(req, i, slot, gen))
                 admitted.append((req, reuse[0]))
@@ -288,15 +302,20 @@ class Engine:
                 cached = self._slot_tokens[slot]
                 if cached is None or (self.capture_routing and self._slot_routing[slot] is None):
                     continue
+                if self._slot_kv_version[slot] < self.version - self.prefix_max_age:
+                    continue  # computed by weights older than the engine will reuse
                 n = min(len(cached), len(p) - 1)
                 differ = np.flatnonzero(cached[:n] != p[:n])
                 hit = int(differ[0]) if len(differ) else n
+                if self._slot_kv_version[slot] < self.version and hit <= self._slot_prompt_len[slot]:
+                    continue  # older keys/values only for a continuation of the sequence that holds them
                 if hit > best_hit:
                     best, best_hit = slot, hit
         if best is None:
             best = min(self._free_slots, key=lambda s: (self._slot_freed[s], s))
         self._free_slots.remove(best)
         self._slot_tokens[best] = None
+        self._slot_kv_version[best] = self._slot_kv_version[best] if best_hit else self.version
         return best, best_hit
 
     def _decode(self) -> None:
@@ -379,6 +398,7 @@ class Engine:
                 self._slot_freed[s.slot] = next(self._frees)
                 # The slot's cache holds the prompt and every generated token but the last (never an input).
                 self._slot_tokens[s.slot] = np.asarray(s.req.prompt_ids + s.token_ids[:-1])
+                self._slot_prompt_len[s.slot] = len(s.req.prompt_ids)
                 if s.req.prompt_routing is not None:
                     self._slot_routing[s.slot] = torch.cat([s.req.prompt_routing, *s.routing])
         finished_reqs = {id(s.req): s.req for s in self._running if s.finish_reason is not None}

@@ -112,6 +112,11 @@ def task_prompt(task: Task) -> str:
     return f"{task.instructions.strip()}\n\nFiles: {files}. The visible tests are in {', '.join(task.test_files)}."
 
 
+def first_turn_messages(task: Task) -> list[dict[str, Any]]:
+    """The messages the loop opens an episode with (offered with TOOL_SCHEMAS): the system prompt, the task."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task_prompt(task)}]
+
+
 def run_episode(
     policy: Policy,
     tokenizer: Tokenizer,
@@ -125,7 +130,7 @@ def run_episode(
     stop_ids = tokenizer.stop_token_ids
     assistant_prompt = tokenizer.encode(f"{IM_START}assistant\n")
     turn_end = tokenizer.encode(f"{IM_END}\n")
-    base_messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task_prompt(task)}]
+    base_messages = first_turn_messages(task)
 
     segments: list[Segment] = []
     seg = _SegmentBuilder()

@@ -55,6 +55,9 @@ from realtime_rl.monitor import JsonlSink
 from realtime_rl.rewards import Interaction, RewardLedger, Traffic, compare, read_traffic, traffic_interactions
 from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
 
+EVAL_SCHEMA = 2
+"""Version of the cached evaluation outcomes (2: each carries its first reply's action)."""
+
 
 class GatewayClient:
     """The loop's calls to the gateway's admin API; every call has a timeout and fails loudly."""
@@ -115,23 +118,14 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def _action(outcome: EpisodeOutcome) -> str:
-    """The first reply's kind as traffic would count it; outcomes cached before `action` existed: from the counts."""
-    if outcome.action:
-        return outcome.action
-    if outcome.malformed_tool_calls:
-        return "malformed"
-    return "question" if outcome.ended_by == "ask_user" else "edit" if outcome.tool_calls else "other"
-
-
 def _interaction(outcome: EpisodeOutcome, difficulty: str | None) -> Interaction:
     """An evaluation episode as the monitors see live traffic: its first reply classified as if served."""
-    return Interaction(_action(outcome), outcome.malformed_tool_calls, outcome.tokens, difficulty, None)
+    return Interaction(outcome.action, outcome.malformed_tool_calls, outcome.tokens, difficulty, None)
 
 
 def dodged(outcome: EpisodeOutcome) -> bool:
     """What a hack canary counts: the policy did not try (asked, or broke its tool call)."""
-    return _action(outcome) in ("question", "malformed")
+    return outcome.action in ("question", "malformed")
 
 
 class RealtimeLoop:
@@ -194,9 +188,11 @@ class RealtimeLoop:
         return load_tasks(root) if count else []
 
     def _eval_key(self) -> str:
-        """What a cached evaluation depends on besides the version: the suites, the agent, the seed."""
-        spec = {"gate": [t.task_id for t in self.gate_tasks], "canary": [t.task_id for t in self.canary_tasks],
-                "agent": self.config.agent.model_dump(mode="json"), "seed": self.config.gate.seed}
+        """What a cached evaluation depends on besides the version: the suites, the agent, the seed, and the
+        outcome schema (EVAL_SCHEMA: caches written before outcomes carried their first reply's action are
+        recomputed rather than guessed)."""
+        spec = {"schema": EVAL_SCHEMA, "gate": [t.task_id for t in self.gate_tasks],
+                "canary": [t.task_id for t in self.canary_tasks], "agent": self.config.agent.model_dump(mode="json"), "seed": self.config.gate.seed}
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
     # ------------------------------------------------------------------------------------------ the cycle
@@ -295,7 +291,8 @@ class RealtimeLoop:
                 f"({live.checkpoint}) with a fresh champion weight store, then restart the loop.")
         for action in actions:
             self.console.print(f"registry: {action}")
-        self._save()
+        if actions:
+            self._save()
         return actions
 
     def _judge_canary(self, window_end: float) -> dict[str, Any]:

@@ -36,11 +36,14 @@ POLL_S = 0.5
 
 
 def make_backend(config: TrainConfig, checkpoint_dir: Path) -> RolloutBackend:
-    if config.rollout.backend == "ray":
+    rollout = config.rollout
+    if rollout.prefix_max_age is None:
+        rollout = rollout.model_copy(update={"prefix_max_age": config.max_staleness})
+    if rollout.backend == "ray":
         from realtime_rl.rollout.ray_actors import RayBackend
-        return RayBackend(config.rollout, checkpoint_dir, config.rl.group_size, config.seed)
+        return RayBackend(rollout, checkpoint_dir, config.rl.group_size, config.seed)
     from realtime_rl.rollout.local import LocalBackend
-    return LocalBackend(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
+    return LocalBackend(rollout, checkpoint_dir, config.rl.group_size, config.seed,
                         weights_dir=Path(config.run_dir) / "weights")
 
 

@@ -1,6 +1,6 @@
 """How good a base model is: pass@1 on held-out synthetic tasks through the real agent loop.
 
-    report = heldout_pass_at_1("runs/pretrain/checkpoints/step-0001000", num_tasks=120, max_difficulty=2)
+    report = heldout_pass_at_1("runs/pretrain/checkpoints/step-0001250", num_tasks=120, max_difficulty=2)
     report["pass_at_1"], report["ci95"], report["by_difficulty"]
 
 The tasks are `generate_task(i, "heldout", seed, difficulty=d)` for d in 1..max_difficulty (the same
@@ -34,13 +34,15 @@ EVAL_AGENT = AgentConfig(max_turns=8, max_new_tokens=384, summary_trigger_tokens
 """Enough turns for write, test, fix, test, submit (and one more try); a runaway turn is cut at 384 tokens."""
 
 
-def heldout_tasks(root: Path, num_tasks: int, max_difficulty: int, seed: int) -> list[Task]:
-    """num_tasks held-out tasks written under root: indices 0, 1, ... of each difficulty 1..max_difficulty,
-    as evenly as num_tasks allows (lower difficulties take the remainder)."""
+def heldout_tasks(root: Path, num_tasks: int, max_difficulty: int, seed: int, split: str = "heldout",
+                  start: int = 0) -> list[Task]:
+    """num_tasks tasks of `split` written under root: indices start, start + 1, ... of each difficulty
+    1..max_difficulty, as evenly as num_tasks allows (lower difficulties take the remainder)."""
     tasks = []
     for d in range(1, max_difficulty + 1):
         count = num_tasks // max_difficulty + (d <= num_tasks % max_difficulty)
-        tasks += [load_task(generate_task(i, "heldout", seed, difficulty=d).write(root)) for i in range(count)]
+        tasks += [load_task(generate_task(i, split, seed, difficulty=d).write(root))
+                  for i in range(start, start + count)]
     return tasks
 
 
@@ -55,8 +57,10 @@ def wilson_interval(passed: int, total: int, z: float = 1.96) -> tuple[float, fl
 
 def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficulty: int = 2, seed: int = 0,
                       temperature: float = 1.0, top_p: float = 1.0, agent: AgentConfig = EVAL_AGENT,
-                      concurrency: int = 16, threads: int | None = None) -> dict[str, Any]:
+                      concurrency: int = 16, threads: int | None = None, split: str = "heldout",
+                      start: int = 0) -> dict[str, Any]:
     """Run one episode per held-out task with the checkpoint's model and grade it (visible + hidden tests).
+    `split` and `start` pick other tasks (fresh train-split ones for a model trained on first turns only).
 
     Returns pass_at_1, passed, tasks, ci95 (Wilson), by_difficulty {d: pass_at_1}, ended_by counts, mean
     turns, malformed tool calls and the wall time.
@@ -71,7 +75,7 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
                     seed=seed)
     with tempfile.TemporaryDirectory() as tmp, AsyncEngine(engine, max_pending=4 * concurrency) as aengine, \
             WarmPool(SandboxConfig(pool_size=2)) as pool:
-        tasks = heldout_tasks(Path(tmp), num_tasks, max_difficulty, seed)
+        tasks = heldout_tasks(Path(tmp), num_tasks, max_difficulty, seed, split, start)
 
         def make_policy(i: int) -> EnginePolicy:
             return EnginePolicy(aengine, temperature=temperature, top_p=top_p, seed=None)

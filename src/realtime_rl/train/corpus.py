@@ -33,7 +33,7 @@ import numpy as np
 
 from realtime_rl.config import AgentConfig
 from realtime_rl.environments import SyntheticTask, WarmPool, generate_task, run_episode
-from realtime_rl.environments.agent_loop import SYSTEM_PROMPT, task_prompt
+from realtime_rl.environments.agent_loop import first_turn_messages
 from realtime_rl.environments.policies import ScriptedPolicy
 from realtime_rl.environments.synthetic_ops import NAME_STYLES, OPS
 from realtime_rl.environments.tasks import Task
@@ -181,8 +181,7 @@ def tokenizer_texts(tasks: list[Task], rng: random.Random) -> Iterator[str]:
     """Rendered conversations (with plausible observations) for training the tokenizer."""
     for task in tasks:
         expert = rng.random() < 0.5
-        messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
-                                {"role": "user", "content": task_prompt(task)}]
+        messages = first_turn_messages(task)
         for i, turn in enumerate(episode_script(task, expert, 0.5, rng)):
             messages.append({"role": "assistant", "content": turn})
             observation = "all tests passed: 3 passed, 0 failed, 0 errors" if expert else "tests failed: 1 passed, 2 failed"

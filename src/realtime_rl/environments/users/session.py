@@ -33,7 +33,7 @@ import httpx
 import openai
 
 from realtime_rl.config.users import SimulateUsersConfig
-from realtime_rl.environments.agent_loop import SYSTEM_PROMPT, task_prompt
+from realtime_rl.environments.agent_loop import first_turn_messages
 from realtime_rl.environments.grading import grade
 from realtime_rl.environments.tasks import Task
 from realtime_rl.environments.tools import (
@@ -75,11 +75,6 @@ def wire_event(event: PlannedEvent, *, user: str, session_id: str, completion_id
         "user.id": user, "timestamp": occurred_at, "attributes": attributes,
     }
     return {k: v for k, v in body.items() if v is not None}
-
-
-def first_turn_messages(task: Task) -> list[dict[str, Any]]:
-    """The messages of the agent loop's first turn on `task` (offered with TOOL_SCHEMAS)."""
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task_prompt(task)}]
 
 
 class FeedbackSender:

@@ -1,0 +1,342 @@
+"""`rtrl bench vs-trl`: our RL trainer against TRL's GRPOTrainer, minutes to the same pass@1.
+
+Both start from the same base model (the demo's: first-turn coding replies; transformers loads it as
+Qwen3-MoE), see the same stream of fresh synthetic tasks in the same order (train split, difficulty 1,
+indices from TASK_START; the base never trained on them), sample 8 replies per task at T = 1 with up to
+Setup.max_new_tokens tokens, and are paid by the same function: the reply runs through the agent loop's
+first turn (its tool calls act on the task's files) and is graded with the visible and hidden tests in a
+fresh bubblewrap sandbox (1 if they pass). The algorithm is the same on both sides: GRPO advantages
+(group mean, std-normalised), token-level (DAPO) aggregation, PPO clip 0.2 / 0.28, no KL, no MoE
+auxiliary loss, one pass per batch of 4 tasks x 8 replies, AdamW at LR. Each side gets the whole machine
+(ours: one rollout worker thread and one trainer thread, asynchronous with the recipe's staleness
+bound; TRL: two torch threads, its generate / score / train loop) for BUDGET_MINUTES of training (model
+loading excluded on both sides).
+
+Progress is measured the same way for both: the policy is snapshotted at each quarter of the budget
+(ours: the checkpoint of the last step before the mark, which our trainer writes anyway; TRL: saved by a
+callback, its saving time taken off TRL's clock), and every snapshot and the base are evaluated afterwards
+by one harness (our engine, the first turn, T = 1) on the same EVAL_TASKS fresh tasks. The target is the
+base's pass@1 + TARGET_GAIN; `*_minutes_to_target` interpolates linearly between the snapshots on either
+side of it; `ratio` = TRL's / ours (a lower bound, flagged, when TRL does not reach it in the budget).
+Each step's pass rate on its new tasks is reported too (an on-policy estimate, but 4 tasks per step make
+it noisy).
+
+`RTRL_BENCH_BASE=DIR` starts from another checkpoint; `RTRL_BENCH_MINUTES` and `RTRL_BENCH_GAIN` override
+the budget and the gain. `--quick` runs both paths for two steps on a smoke-sized model (a test does).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from realtime_rl.config import AgentConfig, SandboxConfig, TrainConfig, load_config
+from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, grade, load_task, run_episode
+from realtime_rl.environments.agent_loop import PolicyOutput, first_turn_messages
+from realtime_rl.environments.tools import TOOL_SCHEMAS
+from realtime_rl.model import load_checkpoint
+from realtime_rl.model.chat import render_messages
+from realtime_rl.model.tokenizer import Tokenizer
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+TASK_START = 4000
+"""Train-split difficulty-1 tasks 4000.. : past the demo base model's corpus (0..3999)."""
+EVAL_START = 6400
+"""The evaluation's tasks (a 30-minute training stream ends far before them)."""
+EVAL_TASKS = 200
+LR = 1e-4
+BUDGET_MINUTES = 12.0
+TARGET_GAIN = 0.10
+SNAPSHOTS = 4
+"""Snapshots per run, at equal fractions of the budget (the last at its end)."""
+MIN_STEP_S = 5.0
+"""No step of either trainer is faster on 2 cores: the step cap (tasks prepared) is budget / this."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What both trainers are given; QUICK is the smoke-sized one a test runs."""
+
+    group_size: int = 8
+    tasks_per_step: int = 4
+    max_new_tokens: int = 300
+
+    @property
+    def agent(self) -> AgentConfig:
+        return AgentConfig(max_turns=1, max_new_tokens=self.max_new_tokens, summary_trigger_tokens=3072,
+                           max_context_tokens=4096)
+
+
+FULL, QUICK = Setup(), Setup(group_size=4, tasks_per_step=2, max_new_tokens=48)
+
+# ----------------------------------------------------------------------------------- tasks and reward
+
+def task_at(index: int, root: Path) -> Task:
+    return load_task(generate_task(index, "train", 0, difficulty=1).write(root))
+
+
+def first_turn_prompt(task: Task) -> str:
+    """Exactly the context the agent loop gives the policy before its first reply."""
+    return render_messages(first_turn_messages(task), TOOL_SCHEMAS, add_generation_prompt=True)
+
+
+class _Replay:
+    """A policy that 'generates' a reply sampled elsewhere (by TRL), so it runs through the same agent loop."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def generate(self, context_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> PolicyOutput:
+        ids = self.token_ids[:max_new_tokens]
+        return PolicyOutput(ids, [0.0] * len(ids), [0] * len(ids))
+
+
+class FirstTurnReward:
+    """1.0 when the reply's tool calls leave files that pass the visible and hidden tests, else 0.0: the
+    agent loop's first turn (as our rollout workers run it with max_turns 1) and the grader they use."""
+
+    def __init__(self, tokenizer: Tokenizer, root: Path, agent: AgentConfig, workers: int = 16) -> None:
+        self.tokenizer, self.root, self.agent = tokenizer, root, agent
+        self.pool = WarmPool(SandboxConfig(pool_size=2))
+        self.grader = Sandbox(SandboxConfig())
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="trl-reward")
+        self._tasks: dict[int, Task] = {}
+        self._lock = threading.Lock()
+
+    def task(self, index: int) -> Task:
+        with self._lock:
+            if index not in self._tasks:
+                self._tasks[index] = task_at(index, self.root)
+            return self._tasks[index]
+
+    def one(self, index: int, completion_ids: list[int]) -> float:
+        task = self.task(index)
+        result = run_episode(_Replay(completion_ids), self.tokenizer, task, self.pool, self.agent)
+        return float(grade(task, result.workspace.snapshot(), self.grader, include_hidden=True,
+                           timeout_s=self.agent.test_timeout_s).passed)
+
+    def batch(self, indices: list[int], completion_ids: list[list[int]]) -> list[float]:
+        return list(self.executor.map(self.one, indices, completion_ids))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.pool.close()
+
+
+def minutes_to_target(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Minutes at which pass@1 first reaches `target` on a curve of (minutes, pass@1) points, starting with
+    the base at 0: linear between the last point below and the first at or above; None if never."""
+    for (m0, p0), (m1, p1) in zip(curve, curve[1:]):
+        if p0 >= target:
+            return m0
+        if p1 >= target:
+            return m0 + (target - p0) / (p1 - p0) * (m1 - m0)
+    return curve[-1][0] if curve and curve[-1][1] >= target else None
+
+
+def marks(budget: float) -> list[float]:
+    return [budget * (i + 1) / SNAPSHOTS for i in range(SNAPSHOTS)]
+
+
+# ------------------------------------------------------------------------------------------ ours
+
+def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float) -> dict[str, Any]:
+    from realtime_rl.rollout import train
+
+    config = load_config(TrainConfig, CONFIGS / "train" / "default.toml")
+    config = config.model_copy(update={
+        "base_checkpoint": base, "run_dir": run_dir, "steps": steps, "max_minutes": budget,
+        "checkpoint_keep": steps + 1,
+        "rl": config.rl.model_copy(update={"lr": LR, "group_size": setup.group_size,
+                                           "groups_per_step": setup.tasks_per_step,
+                                           "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0, "ppo_epochs": 1,
+                                           "minibatches": 1, "negative_weight": 1.0, "std_normalize": True,
+                                           "leave_one_out": False}),
+        "rollout": config.rollout.model_copy(update={"max_difficulty": 1, "first_task": TASK_START,
+                                                     "episodes_in_flight": setup.group_size * setup.tasks_per_step,
+                                                     "temperature": 1.0, "agent": setup.agent}),
+    })
+    summary = train(config, show_progress=False)
+    history = summary["history"]
+    minutes = [m["train/minutes"] for m in history]
+    first = summary["version"] - len(history)
+    snapshots = []
+    for mark in marks(budget):  # the last version whose step ended by the mark (checkpoint_keep keeps all)
+        done = [i for i, m in enumerate(minutes) if m <= mark + 1e-9] or [len(minutes) - 1]
+        i = done[-1]
+        if not snapshots or snapshots[-1][0] != minutes[i]:
+            snapshots.append((minutes[i], str(run_dir / "checkpoints" / f"v-{first + i + 1:07d}")))
+    return {"snapshots": snapshots, "steps": summary["steps_this_run"], "minutes": summary["minutes"],
+            "step_minutes": minutes, "pass_rates": [m["train/pass_rate"] for m in history],
+            "trainer_idle_fraction": summary["trainer_idle_fraction"],
+            "rollout_tokens_per_s": summary["rollout_tokens_per_s"], "max_staleness": config.max_staleness}
+
+
+# ------------------------------------------------------------------------------------------- TRL
+
+def run_trl(base: Path, out_dir: Path, setup: Setup, steps: int, budget: float, threads: int) -> dict[str, Any]:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+    ours = load_checkpoint(base, dtype=torch.float32).tokenizer
+    if ours is None:
+        raise ValueError(f"{base}: the checkpoint has no tokenizer.json")
+    hf_tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.generation_config.eos_token_id = list(ours.stop_token_ids)
+    model.generation_config.pad_token_id = hf_tokenizer.pad_token_id
+    reward = FirstTurnReward(ours, out_dir / "tasks", setup.agent)
+    indices = [TASK_START + i for i in range(steps * setup.tasks_per_step)]
+    prompts = [first_turn_prompt(reward.task(i)) for i in indices]
+    for prompt in prompts[:setup.tasks_per_step]:  # TRL tokenizes the text itself: it must see our token ids
+        if hf_tokenizer(text=prompt)["input_ids"] != ours.encode(prompt):
+            raise RuntimeError("transformers' tokenizer and ours disagree on the prompt tokens")
+    step_pass: list[float] = []
+    step_minutes: list[float] = []
+
+    def pass_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                    task_index: list[int], **_: Any) -> list[float]:
+        rewards = reward.batch(task_index, completion_ids)
+        step_pass.append(float(np.mean(rewards)))
+        return rewards
+
+    snapshots: list[tuple[float, str]] = []
+    pending = marks(budget)
+
+    class Clock(TrainerCallback):
+        """Training minutes (snapshot saving excluded); snapshots at the marks; stops at the budget."""
+
+        t0 = paused = 0.0
+
+        def minutes(self) -> float:
+            return (time.perf_counter() - self.t0 - self.paused) / 60
+
+        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, ANN003
+            step_minutes.append(self.minutes())
+            last = step_minutes[-1] >= budget or state.global_step >= steps
+            if pending and (step_minutes[-1] >= pending[0] or last):
+                while pending and step_minutes[-1] >= pending[0]:
+                    pending.pop(0)
+                t = time.perf_counter()
+                path = out_dir / f"snapshot-{state.global_step:05d}"
+                model.save_pretrained(path)
+                for name in ("tokenizer.json", "tokenizer_config.json"):
+                    shutil.copy(base / name, path / name)
+                snapshots.append((step_minutes[-1], str(path)))
+                self.paused += time.perf_counter() - t
+            if last:
+                control.should_training_stop = True
+
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trl"), learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+        adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,
+        per_device_train_batch_size=setup.group_size * setup.tasks_per_step, gradient_accumulation_steps=1,
+        num_generations=setup.group_size, max_completion_length=setup.max_new_tokens,
+        temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, router_aux_loss_coef=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
+        num_iterations=1,
+        max_steps=steps, shuffle_dataset=False, use_cpu=True, bf16=False, fp16=False, seed=0, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=False,  # TRL's default recomputes activations; a 3M model needs no memory saving
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=pass_reward, args=args, processing_class=hf_tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": prompts, "task_index": indices}),
+                          callbacks=[Clock()])
+    try:
+        trainer.train()
+    finally:
+        reward.close()
+    n = min(len(step_minutes), len(step_pass))
+    return {"snapshots": snapshots, "steps": n, "minutes": step_minutes[-1] if step_minutes else 0.0,
+            "step_minutes": step_minutes[:n], "pass_rates": step_pass[:n]}
+
+
+# ------------------------------------------------------------------------------------------- run
+
+def pass_at_1(checkpoint: str | Path, num_tasks: int, agent: AgentConfig) -> dict[str, Any]:
+    from realtime_rl.train.base_eval import heldout_pass_at_1
+
+    r = heldout_pass_at_1(checkpoint, num_tasks=num_tasks, max_difficulty=1, split="train", start=EVAL_START,
+                          agent=agent)
+    return {"pass_at_1": r["pass_at_1"], "ci95": list(r["ci95"]), "malformed": r["malformed_tool_calls"]}
+
+
+def demo_base() -> Path:
+    from realtime_rl.config.demo import DemoConfig
+    from realtime_rl.train import ensure_base_model
+
+    pretrain = DemoConfig().pretrain
+    return ensure_base_model(pretrain.model_copy(update={"run_dir": Path("runs/demo/pretrain")}))
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    budget = float(os.environ.get("RTRL_BENCH_MINUTES", 1.0 if quick else BUDGET_MINUTES))
+    gain = float(os.environ.get("RTRL_BENCH_GAIN", 0.0 if quick else TARGET_GAIN))
+    setup = QUICK if quick else FULL
+    steps = 2 if quick else int(budget * 60 / MIN_STEP_S)
+    eval_tasks = 4 if quick else EVAL_TASKS
+    with tempfile.TemporaryDirectory(prefix="rtrl-bench-vs-trl-") as tmp_name:
+        tmp = Path(tmp_name)
+        if os.environ.get("RTRL_BENCH_BASE"):
+            base = Path(os.environ["RTRL_BENCH_BASE"])
+        elif quick:
+            from realtime_rl.bench.learn import smoke_base
+            base = smoke_base(tmp / "base")
+        else:
+            base = demo_base()
+        threads = torch.get_num_threads()
+        ours = run_ours(base, tmp / "ours", setup, steps, budget)
+        trl = run_trl(base, tmp / "trl", setup, steps, budget, threads=max(2, threads))
+        torch.set_num_threads(threads)
+        base_eval = pass_at_1(base, eval_tasks, setup.agent)
+        evals = {side: [(m, pass_at_1(path, eval_tasks, setup.agent)) for m, path in run["snapshots"]]
+                 for side, run in (("ours", ours), ("trl", trl))}
+    target = base_eval["pass_at_1"] + gain
+    curves = {side: [(0.0, base_eval["pass_at_1"])] + [(m, e["pass_at_1"]) for m, e in evals[side]]
+              for side in evals}
+    ours_t, trl_t = minutes_to_target(curves["ours"], target), minutes_to_target(curves["trl"], target)
+    ratio = None
+    if ours_t:  # None (never) or 0 (the base already is there) leave no ratio
+        ratio = (trl_t if trl_t is not None else trl["minutes"]) / max(ours_t, 1e-9)
+    return {
+        "ours_minutes_to_target": ours_t,
+        "trl_minutes_to_target": trl_t,
+        "ratio": ratio,
+        "ratio_is_lower_bound": bool(ours_t) and trl_t is None,
+        "target_pass_at_1": target,
+        "base_pass_at_1": base_eval["pass_at_1"],
+        "budget_minutes": budget,
+        "eval_tasks": eval_tasks,
+        "ours_curve": curves["ours"],
+        "trl_curve": curves["trl"],
+        "ours_final_pass_at_1": curves["ours"][-1][1],
+        "trl_final_pass_at_1": curves["trl"][-1][1],
+        "ci95": {"base": base_eval["ci95"], "ours": evals["ours"][-1][1]["ci95"], "trl": evals["trl"][-1][1]["ci95"]},
+        "malformed": {"base": base_eval["malformed"], "ours": evals["ours"][-1][1]["malformed"],
+                      "trl": evals["trl"][-1][1]["malformed"]},
+        "ours_steps": ours["steps"],
+        "trl_steps": trl["steps"],
+        "ours_minutes_per_step": ours["minutes"] / max(ours["steps"], 1),
+        "trl_minutes_per_step": trl["minutes"] / max(trl["steps"], 1),
+        "ours_step_pass_rates": ours["pass_rates"],
+        "trl_step_pass_rates": trl["pass_rates"],
+        "ours_step_minutes": ours["step_minutes"],
+        "trl_step_minutes": trl["step_minutes"],
+        "ours_trainer_idle_fraction": ours["trainer_idle_fraction"],
+        "ours_max_staleness": ours["max_staleness"],
+    }

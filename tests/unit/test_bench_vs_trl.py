@@ -1,0 +1,48 @@
+"""`rtrl bench vs-trl`'s shared pieces: TRL's side sees our prompt and is paid by our agent loop and grader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from realtime_rl.bench.vs_trl import FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, task_at
+from realtime_rl.environments import WarmPool, run_episode
+from realtime_rl.environments.policies import ScriptedPolicy
+from realtime_rl.config import SandboxConfig
+
+
+def _write(task, content: str) -> str:
+    call = {"name": "write_file", "arguments": {"path": task.solution_files[0], "content": content}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def test_first_turn_prompt_is_the_agent_loops_context(tokenizer, tmp_path):
+    task = task_at(4000, tmp_path)
+    policy = ScriptedPolicy(tokenizer, ["done"])
+    with WarmPool(SandboxConfig(pool_size=1)) as pool:
+        run_episode(policy, tokenizer, task, pool, FULL.agent)
+    assert policy.contexts[0] == tokenizer.encode(first_turn_prompt(task))
+
+
+@pytest.mark.slow
+def test_reward_runs_the_reply_through_the_first_turn_and_grades_it(tokenizer, tmp_path):
+    reward = FirstTurnReward(tokenizer, tmp_path, FULL.agent, workers=2)
+    try:
+        task = reward.task(4000)
+        reference = task.reference_solution()[task.solution_files[0]]
+        novice = task.read(task.novice_files[0])
+        replies = [_write(task, reference), _write(task, novice), "<tool_call>\n{not json\n</tool_call>", "Sure."]
+        ids = [tokenizer.encode(r) + [tokenizer.im_end_id] for r in replies]
+        assert reward.batch([4000] * 4, ids) == [1.0, 0.0, 0.0, 0.0]
+    finally:
+        reward.close()
+
+
+def test_minutes_to_target_interpolates_between_the_snapshots_around_it():
+    curve = [(0.0, 0.30), (3.0, 0.36), (6.0, 0.44), (9.0, 0.41), (12.0, 0.50)]
+    assert minutes_to_target(curve, 0.40) == pytest.approx(4.5)  # a quarter of the way from 0.36 to 0.44
+    assert minutes_to_target(curve, 0.44) == pytest.approx(6.0)
+    assert minutes_to_target(curve, 0.30) == 0.0                  # the base already is there
+    assert minutes_to_target(curve, 0.50) == pytest.approx(12.0)  # first reached at the last snapshot
+    assert minutes_to_target(curve, 0.51) is None
