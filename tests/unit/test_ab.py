@@ -78,6 +78,12 @@ def test_a_guardrail_regression_rolls_back_even_when_edits_kept_wins():
     # A tolerance above the regression lets it through (then edits kept decides: no win here).
     report = analyze(traffic(2, latency=(1.0, 1.3)), ABConfig(latency_tolerance_s=0.6))
     assert report.decision == "continue" and "no guardrail regressed" in report.reasons[0]
+    # So does a relative one (60% of the champion's 1 s), and with neither any measurable slowdown rolls back.
+    report = analyze(traffic(2, latency=(1.0, 1.3)), ABConfig(latency_tolerance_rel=0.6))
+    assert report.decision == "continue"
+    report = analyze(traffic(2, latency=(1.0, 1.06)), ABConfig(latency_tolerance_rel=0.0))
+    assert report.decision == "rollback" and report.reasons[0].startswith("regression: latency p50 +0.0")
+    assert analyze(traffic(2, latency=(1.0, 1.06)), ABConfig()).decision == "continue"  # its interval reaches below 5%
 
 
 def test_significantly_fewer_edits_kept_rolls_back():

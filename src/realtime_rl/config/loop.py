@@ -62,7 +62,13 @@ class ABConfig(StrictModel):
     """Rise in the dissatisfied follow-up rate (absolute) tolerated before it counts as a regression:
     a regression is the lower end of the difference interval above this."""
     latency_tolerance_s: float = Field(0.0, ge=0.0, le=3600.0)
-    """Rise in p50 latency (seconds) tolerated before it counts as a regression."""
+    """Rise in p50 latency (seconds) tolerated before it counts as a regression, on top of
+    `latency_tolerance_rel`: a regression is the lower end of the difference interval above
+    latency_tolerance_s + latency_tolerance_rel x the champion's p50."""
+    latency_tolerance_rel: float = Field(0.05, ge=0.0, le=10.0)
+    """Rise in p50 latency tolerated as a fraction of the champion's p50 (0.05: 5% slower passes). Arms
+    served by one process differ by a few percent from scheduling alone, which a tight interval over
+    thousands of completions resolves; 0 rolls back any measurable slowdown."""
     cluster: Literal["users", "none"] = "users"
     """Unit of inference. "users": intervals clustered by user (else session), the unit the router randomises,
     because one user's completions are correlated (a user who dislikes a style reverts many of its edits):

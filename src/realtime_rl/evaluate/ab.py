@@ -433,8 +433,10 @@ def _decide(arms: dict[str, dict[str, int]], edits_kept: Comparison, dissatisfie
     if unhappy.low is not None and unhappy.low > config.dissatisfied_tolerance:
         regressions.append(f"dissatisfied follow-ups {shown(unhappy, 100, ' points')}, "
                            f"tolerance {100 * config.dissatisfied_tolerance:g} points")
-    if slow.low is not None and slow.low > config.latency_tolerance_s:
-        regressions.append(f"latency p50 {shown(slow, 1, ' s')}, tolerance {config.latency_tolerance_s:g} s")
+    allowed = config.latency_tolerance_s + config.latency_tolerance_rel * (p50.champion.value or 0.0)
+    if slow.low is not None and slow.low > allowed:
+        regressions.append(f"latency p50 {shown(slow, 1, ' s')}, tolerance {allowed:.3g} s "
+                           f"({config.latency_tolerance_s:g} s + {config.latency_tolerance_rel:.0%} of the champion's)")
     if kept.high is not None and kept.high < -config.primary_margin:
         regressions.append(f"edits kept {shown(kept, 100, ' points')}, "
                            f"margin {100 * config.primary_margin:g} points")
