@@ -286,3 +286,40 @@ def test_a_new_sequence_never_gets_older_keys_values(moe):
     assert engine.prefix_hit_tokens == 0
     engine.generate([shared + [9, 10]], GREEDY)  # version 1 computed the last one: shared is reused
     assert engine.prefix_hit_tokens == len(shared)
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_changes_nothing_and_survives_swaps(moe):
+    """compile_decode: the same tokens, logprobs, routing and versions as the eager engine, for one row and
+    for ragged batches, greedy and sampled, across a hot weight swap (which must not recompile)."""
+    import torch._dynamo
+
+    ps = prompts(5, 11, 3, 8, 1)
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=3, n=2, ignore_eos=True)] * 2
+    new_state = {k: v + 0.05 * torch.randn_like(v, generator=torch.Generator().manual_seed(1))
+                 for k, v in moe.state_dict().items()}
+    original = {k: v.clone() for k, v in moe.state_dict().items()}
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        engine = Engine(moe, max_batch=8, max_seq_len=64, compile_decode=compiled)
+        first = engine.generate(ps[:1], GREEDY) + engine.generate(ps[1:], params)  # one row, then ragged
+        rid = engine.add_request(ps[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        for _ in range(4):
+            engine.step()
+        engine.update_weights(new_state, version=1)
+        swapped = {}
+        while engine.has_work():
+            swapped.update({o.request_id: o for o in engine.step()})
+        results.append(first + [swapped[rid]])
+        engine.update_weights(original, version=0)  # the model is shared: restore it for the next engine
+        engine.step()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 2, f"{graphs} graphs: recompiled (at a swap or a new batch size)"
+    for eager, compiled in zip(*results):
+        for a, b in zip(eager.samples, compiled.samples):
+            assert a.token_ids == b.token_ids and a.versions == b.versions
+            torch.testing.assert_close(torch.tensor(a.raw_logprobs), torch.tensor(b.raw_logprobs), atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+            assert (a.routing == b.routing).all()
+    assert results[1][-1].samples[0].versions == [0] * 5 + [1] * 7

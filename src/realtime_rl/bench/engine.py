@@ -2,8 +2,10 @@
 
 The same weights (the default MoE architecture, random init, saved once and loaded by both), the
 same random prompts, greedy decoding of a fixed number of tokens (no early stop) at batch sizes 1, 8
-and 32. Also: the throughput cost of MoE routing capture, and the pause of a hot weight swap made
-while a batch-32 decode is running.
+and 32. Ours runs twice: with the compiled decode step (`tokens_per_s`, `speedup_vs_hf`) and eager
+(`eager_*`); transformers' `generate` runs eager, as its users call it. Also: the seconds the compiled
+engine's warm-up took (`compile_s`), the throughput cost of MoE routing capture, and the pause of a hot
+weight swap made while a batch-32 decode is running.
 """
 
 from __future__ import annotations
@@ -30,11 +32,22 @@ def default_model(seed: int = 0) -> Qwen3ForCausalLM:
     return model.eval()
 
 
-def _ours(model: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: int, capture: bool) -> float:
-    engine = Engine(model, max_batch=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + 1,
-                    capture_routing=capture)
+def _engine(model: Qwen3ForCausalLM, batch: int, max_seq_len: int, capture: bool = True,
+            compile_decode: bool = False) -> tuple[Engine, float]:
+    """An engine for the benchmark and the seconds its warm-up took (with compile_decode: compiling both
+    decode graphs, one row and several). No prefix caching: every run prefills its prompts afresh, as
+    transformers does."""
+    engine = Engine(model, max_batch=batch, max_seq_len=max_seq_len, capture_routing=capture,
+                    prefix_caching=False, compile_decode=compile_decode)
+    t0 = time.perf_counter()
+    warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.generate([[1, 2, 3]], warm)
+    engine.generate([[1, 2, 3]] * min(batch, 4), warm)
+    return engine, time.perf_counter() - t0
+
+
+def _ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -93,25 +106,34 @@ def run(quick: bool = False) -> dict[str, Any]:
                                "prompt_tokens": prompt_len, "torch_threads": torch.get_num_threads(),
                                "hf_experts_implementation": hf_model.config._experts_implementation}
     repeats = 2 if quick else 3
+    max_seq_len = prompt_len + new_tokens + 1
+    eager, _ = _engine(model, max(BATCHES), max_seq_len)
+    compiled, metrics["compile_s"] = _engine(model, max(BATCHES), max_seq_len, compile_decode=True)
     for b in BATCHES:
         prompts = all_prompts[:b]
-        # Alternate the two so that load on the machine hits both alike; report medians.
-        ours, hf = [], []
+        # Alternate the three so that load on the machine hits all alike; report medians.
+        runs: dict[str, list[float]] = {"compiled": [], "eager": [], "hf": []}
         for _ in range(repeats):
-            ours.append(_ours(model, prompts, new_tokens, capture=True))
-            hf.append(_hf(hf_model, prompts, new_tokens))
-        metrics[f"tokens_per_s_b{b}"] = statistics.median(ours)
-        metrics[f"hf_tokens_per_s_b{b}"] = statistics.median(hf)
+            runs["compiled"].append(_ours(compiled, prompts, new_tokens))
+            runs["eager"].append(_ours(eager, prompts, new_tokens))
+            runs["hf"].append(_hf(hf_model, prompts, new_tokens))
+        metrics[f"tokens_per_s_b{b}"] = statistics.median(runs["compiled"])
+        metrics[f"eager_tokens_per_s_b{b}"] = statistics.median(runs["eager"])
+        metrics[f"hf_tokens_per_s_b{b}"] = statistics.median(runs["hf"])
         metrics[f"speedup_vs_hf_b{b}"] = metrics[f"tokens_per_s_b{b}"] / metrics[f"hf_tokens_per_s_b{b}"]
+        metrics[f"eager_speedup_vs_hf_b{b}"] = metrics[f"eager_tokens_per_s_b{b}"] / metrics[f"hf_tokens_per_s_b{b}"]
     b = max(BATCHES)
     metrics["tokens_per_s"] = metrics[f"tokens_per_s_b{b}"]
     metrics["hf_tokens_per_s"] = metrics[f"hf_tokens_per_s_b{b}"]
     metrics["speedup_vs_hf"] = metrics[f"speedup_vs_hf_b{b}"]
-    # Capture cost: interleave runs with and without capture so drift hits both alike.
+    metrics["eager_speedup_vs_hf"] = metrics[f"eager_speedup_vs_hf_b{b}"]
+    # Capture cost (eager, where it is largest relative to the step): interleave runs with and without
+    # capture so drift hits both alike.
+    no_capture, _ = _engine(model, b, max_seq_len, capture=False)
     with_capture, without = [], []
     for _ in range(repeats):
-        without.append(_ours(model, all_prompts, new_tokens, capture=False))
-        with_capture.append(_ours(model, all_prompts, new_tokens, capture=True))
+        without.append(_ours(no_capture, all_prompts, new_tokens))
+        with_capture.append(_ours(eager, all_prompts, new_tokens))
     metrics["tokens_per_s_no_capture"] = statistics.median(without)
     metrics["capture_overhead"] = 1.0 - statistics.median(with_capture) / statistics.median(without)
     metrics["swap_pause_ms"] = swap_pause_ms(model, batch=b, new_tokens=new_tokens)

@@ -151,6 +151,10 @@ class RolloutConfig(StrictModel):
     versions old (engine prefix caching, as PipelineRL's in-flight updates) instead of re-prefilling its
     context; the decoupled objective corrects the difference. None: the run's max_staleness (0, synchronous:
     never reused across versions). At most max_staleness."""
+    compile_decode: bool = False
+    """Run each worker engine's decode step through torch.compile (engine/engine.py): 1.1-2.5x the eager
+    engine's decode tokens/s on CPU (more at small batches; `rtrl bench engine`) for a one-off compile at
+    start-up (~10 s with inductor's on-disk cache, ~1 min without)."""
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the trainer publishes its weights in. float32: the workers sample from exactly the
     trainer's weights (the delta is ~2-3x smaller than the weights: most fp32 elements move every step).

@@ -24,6 +24,12 @@ prefills it afresh), so sequences whose every token the current weights generate
 on-policy. Asynchronous RL rollouts set their staleness bound here: the trainer publishes every step,
 and otherwise every episode in flight would re-prefill its whole context after each one.
 
+Compiled decode (`compile_decode=True`): the decode step's forward runs through `torch.compile` with
+dynamic batch and prefix sizes (one graph for every batch of two or more rows, one for a single row),
+which removes most of the per-operator overhead that bounds a small model's decode step on CPU. It is
+compiled on first use (tens of seconds on two cores; inductor caches the result on disk for the next
+process); the weights stay inputs of the graph, so hot swaps need no recompilation. Prefill stays eager.
+
 Not here: paged attention, prefix sharing between running sequences, chunked prefill, speculative decoding.
 """
 
@@ -109,7 +115,7 @@ class _Request:
 class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
                  max_seq_len: int = 2048, version: int = 0, capture_routing: bool = True, seed: int = 0,
-                 prefix_caching: bool = True, prefix_max_age: int = 0) -> None:
+                 prefix_caching: bool = True, prefix_max_age: int = 0, compile_decode: bool = False) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError("need max_batch >= 1 and max_seq_len >= 2")
         self.model = model.eval()
@@ -143,6 +149,12 @@ class Engine:
         self._ids = itertools.count()
         self.last_swap_pause_ms: float | None = None
         self.steps = 0
+        self.compile_decode = compile_decode
+        self._decode_forward = self._last_logits
+        if compile_decode:
+            # The C++ wrapper calls the graph's kernels without Python in between (~10% faster on CPU).
+            self._decode_forward = torch.compile(self._last_logits, dynamic=True,
+                                                 options={"cpp_wrapper": self.device.type == "cpu"})
 
     # ------------------------------------------------------------------------------------------ intake
 
@@ -323,21 +335,28 @@ class Engine:
         if not seqs:
             return
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
-        positions = torch.tensor([[len(s.req.prompt_ids) + len(s.token_ids) - 1] for s in seqs], device=self.device)
+        pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
+        positions = torch.tensor(pos, device=self.device)[:, None]
         first = seqs[0].slot
         slots: torch.Tensor | slice
-        if seqs[-1].slot - first == len(seqs) - 1:  # consecutive slots: the cache is read as a view
-            slots = slice(first, first + len(seqs))
+        if seqs[-1].slot - first == len(seqs) - 1 and not self.compile_decode:
+            slots = slice(first, first + len(seqs))  # consecutive slots: the cache is read as a view
         else:
             slots = torch.tensor([s.slot for s in seqs], device=self.device)
         with torch.no_grad():
-            out = self.model(ids, positions, kv_cache=self.cache, cache_slots=slots,
-                             capture_routing=self.capture_routing)
-        if out.routing_BTLK is not None:
-            routing = out.routing_BTLK[:, 0].cpu()
+            logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
+        if routing_BTLK is not None:
+            routing = routing_BTLK[:, 0].cpu()
             for b, s in enumerate(seqs):
                 s.routing.append(routing[b : b + 1])
-        self._sample(seqs, out.logits_BTV[:, -1])
+        self._sample(seqs, logits_BV)
+
+    def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, slots: torch.Tensor | slice,
+                     length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode forward: logits of each row's last position, and the routing it used."""
+        out = self.model(ids_BT, positions_BT, kv_cache=self.cache, cache_slots=slots,
+                         capture_routing=self.capture_routing, cache_length=length)
+        return out.logits_BTV[:, -1], out.routing_BTLK
 
     def _sample(self, seqs: list[_Seq], logits_BV: torch.Tensor) -> None:
         params = [s.req.params for s in seqs]

@@ -37,13 +37,16 @@ class KVCache:
         self.k_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.v_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
-    def begin(self, slots: torch.Tensor | slice, positions_BT: torch.Tensor) -> CacheStep:
+    def begin(self, slots: torch.Tensor | slice, positions_BT: torch.Tensor, length: int | None = None) -> CacheStep:
         """Start one forward over the cache: the prefix length, row indices and mask, once for all layers.
 
         `slots` is a LongTensor [B] of slot ids, or a `slice` of consecutive slots in row order: then each
         layer reads the prefix as a view instead of gathering it (the engine passes one when it can).
+        `length` (default: the largest position + 1, read from the tensor) is the prefix every row reads;
+        a caller that knows it passes it, which keeps a compiled forward free of data-dependent shapes.
         """
-        length = int(positions_BT.max()) + 1
+        if length is None:
+            length = int(positions_BT.max()) + 1
         if length > self.max_seq_len:
             raise ValueError(f"position {length - 1} exceeds the KV cache length {self.max_seq_len}")
         if isinstance(slots, slice):

@@ -20,8 +20,23 @@ from torch import nn
 from realtime_rl.config import ModelConfig
 
 # torch >= 2.10 has a grouped matmul with CPU and CUDA kernels; its CPU backward is not usable yet,
-# so training keeps the per-expert loop.
-_GROUPED_MM = getattr(F, "grouped_mm", None)
+# so training keeps the per-expert loop. Inference runs the experts' SwiGLU as one custom op whose
+# output shape is declared here, so that torch.compile (the engine's compiled decode) keeps it as one
+# opaque kernel per layer: grouped_mm's own meta function rejects fp32.
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+@torch.library.custom_op("rtrl::expert_swiglu", mutates_args=())
+def expert_swiglu(x_MC: torch.Tensor, gate_up_EFC: torch.Tensor, down_ECI: torch.Tensor,
+                  offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert (offs_E: cumulative row counts, int32) through each expert's SwiGLU."""
+    gate, up = F.grouped_mm(x_MC, gate_up_EFC.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
+    return F.grouped_mm((F.silu(gate) * up).contiguous(), down_ECI.transpose(-2, -1), offs=offs_E)
+
+
+@expert_swiglu.register_fake
+def _(x_MC: torch.Tensor, gate_up_EFC: torch.Tensor, down_ECI: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return x_MC.new_empty(x_MC.shape[0], down_ECI.shape[1])
 
 
 class Router(nn.Module):
@@ -67,12 +82,12 @@ class Experts(nn.Module):
         token_M = order_M // indices_NK.shape[1]
         x_MC = x_NC[token_M]
         w_M = weights_NK.reshape(-1)[order_M]
-        counts_E = torch.bincount(flat_expert_M, minlength=self.num_experts)
-        if _GROUPED_MM is not None and not torch.is_grad_enabled():
+        # A count of static shape (bincount's depends on the data, which torch.compile cannot trace).
+        counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=x_NC.device).scatter_add_(
+            0, flat_expert_M, torch.ones_like(flat_expert_M))
+        if _HAS_GROUPED_MM and not torch.is_grad_enabled():
             # Inference: two grouped matmuls instead of a Python loop over experts.
-            offs_E = counts_E.cumsum(0).to(torch.int32)
-            gate, up = _GROUPED_MM(x_MC, self.gate_up_proj.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
-            y_MC = _GROUPED_MM((F.silu(gate) * up).contiguous(), self.down_proj.transpose(-2, -1), offs=offs_E)
+            y_MC = expert_swiglu(x_MC, self.gate_up_proj, self.down_proj, counts_E.cumsum(0).to(torch.int32))
         else:
             parts = []
             start = 0

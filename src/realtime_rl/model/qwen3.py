@@ -110,10 +110,12 @@ class Qwen3ForCausalLM(nn.Module):
         cache_slots: torch.Tensor | slice | None = None,
         capture_routing: bool = False,
         replay_routing: torch.Tensor | None = None,
+        cache_length: int | None = None,
     ) -> ModelOutput:
         """Logits for every position; optionally capture or replay MoE routing ([B, T, moe layers, k]).
 
         cache_slots: the KV-cache slot of each row, a LongTensor [B] or a slice of consecutive slots.
+        cache_length: the cached prefix the rows read (default: the largest position + 1).
         """
         B, T = input_ids_BT.shape
         if positions_BT is None:
@@ -130,7 +132,7 @@ class Qwen3ForCausalLM(nn.Module):
         cache_step = None
         if kv_cache is not None:
             assert cache_slots is not None, "cached forward needs cache_slots"
-            cache_step = kv_cache.begin(cache_slots, positions_BT)
+            cache_step = kv_cache.begin(cache_slots, positions_BT, cache_length)
         captured: list[torch.Tensor] = []
         moe_i = 0
         for layer in self.model.layers:

@@ -51,7 +51,8 @@ def build_engine(settings: ServeConfig) -> AsyncEngine:
     ckpt = load_checkpoint(settings.checkpoint, device=settings.device, dtype=dtype)
     if ckpt.tokenizer is None:
         raise ValueError(f"{settings.checkpoint}: no tokenizer.json; the gateway needs the checkpoint's tokenizer")
-    engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=settings.max_batch, max_seq_len=settings.max_seq_len)
+    engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
+                    compile_decode=settings.compile_decode)
     return AsyncEngine(engine, max_pending=settings.max_pending).start()
 
 
