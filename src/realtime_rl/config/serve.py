@@ -49,9 +49,9 @@ class ServeConfig(StrictModel):
     max_pending: int = Field(256, ge=1, le=1_000_000)
     """Requests queued or running before new ones get 503 (backpressure)."""
     compile_decode: bool = False
-    """Run the engine's decode step through torch.compile (engine/engine.py): 1.1-2.5x the eager decode
-    tokens/s on CPU, more at small batches (`rtrl bench engine`), for a compile at start-up (~10 s with
-    inductor's on-disk cache, ~1 min without) while the first requests wait."""
+    """Run the engine's decode step through torch.compile (engine/engine.py), compiled before the gateway
+    serves (~10 s with inductor's on-disk cache, ~1 min without): 1.1-2.5x the eager decode tokens/s on
+    CPU at short contexts, more at small batches (`rtrl bench engine`), none at thousands of tokens."""
     request_timeout_s: float = Field(120.0, gt=0, le=3600)
     """A completion that takes longer is aborted and answered 504."""
     default_max_tokens: int = Field(256, ge=1, le=1_000_000)

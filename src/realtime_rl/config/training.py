@@ -152,9 +152,9 @@ class RolloutConfig(StrictModel):
     context; the decoupled objective corrects the difference. None: the run's max_staleness (0, synchronous:
     never reused across versions). At most max_staleness."""
     compile_decode: bool = False
-    """Run each worker engine's decode step through torch.compile (engine/engine.py): 1.1-2.5x the eager
-    engine's decode tokens/s on CPU (more at small batches; `rtrl bench engine`) for a one-off compile at
-    start-up (~10 s with inductor's on-disk cache, ~1 min without)."""
+    """Run each worker engine's decode step through torch.compile (engine/engine.py), compiled at worker
+    start-up (~10 s with inductor's on-disk cache, ~1 min without). 1.1-2.5x the eager decode tokens/s
+    on CPU at short contexts (`rtrl bench engine`), none at agent-episode lengths (docs/serving.md)."""
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the trainer publishes its weights in. float32: the workers sample from exactly the
     trainer's weights (the delta is ~2-3x smaller than the weights: most fp32 elements move every step).

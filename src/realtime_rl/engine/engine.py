@@ -25,7 +25,7 @@ on-policy. Asynchronous RL rollouts set their staleness bound here: the trainer 
 and otherwise every episode in flight would re-prefill its whole context after each one.
 
 Compiled decode (`compile_decode=True`): the decode step's forward runs through `torch.compile` with
-dynamic batch and prefix sizes (one graph for every batch of two or more rows, one for a single row),
+dynamic batch and prefix sizes (a graph for a single row, one for every batch of more),
 which removes most of the per-operator overhead that bounds a small model's decode step on CPU. It is
 compiled on first use (tens of seconds on two cores; inductor caches the result on disk for the next
 process); the weights stay inputs of the graph, so hot swaps need no recompilation. Prefill stays eager.
@@ -337,11 +337,9 @@ class Engine:
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)[:, None]
-        first = seqs[0].slot
-        slots: torch.Tensor | slice
-        if seqs[-1].slot - first == len(seqs) - 1 and not self.compile_decode:
-            slots = slice(first, first + len(seqs))  # consecutive slots: the cache is read as a view
-        else:
+        slots: torch.Tensor | int = seqs[0].slot  # consecutive slots (the first given): the cache is read as a view
+        if self.compile_decode or seqs[-1].slot - seqs[0].slot != len(seqs) - 1:
+            # (compiled, every batch is gathered: a graph reading a view specialises on the batch size)
             slots = torch.tensor([s.slot for s in seqs], device=self.device)
         with torch.no_grad():
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
@@ -351,9 +349,12 @@ class Engine:
                 s.routing.append(routing[b : b + 1])
         self._sample(seqs, logits_BV)
 
-    def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, slots: torch.Tensor | slice,
+    def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, slots: torch.Tensor | int,
                      length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decode forward: logits of each row's last position, and the routing it used."""
+        """The decode forward: logits of each row's last position, and the routing it used. `slots`: each
+        row's slot, or the first of consecutive ones (an int, which a compiled graph keeps symbolic)."""
+        if isinstance(slots, int):
+            slots = slice(slots, slots + ids_BT.shape[0])
         out = self.model(ids_BT, positions_BT, kv_cache=self.cache, cache_slots=slots,
                          capture_routing=self.capture_routing, cache_length=length)
         return out.logits_BTV[:, -1], out.routing_BTLK
@@ -451,6 +452,19 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------------------------------ sync use
+
+    def warm_up(self) -> float:
+        """Compile the decode graphs now (one row; several, in consecutive and in scattered slots) rather
+        than on the first requests; returns the seconds it took. Seeded greedy requests on token 0: no randomness is
+        drawn, and a slot's stale prefix is never reused by a prompt it does not match."""
+        t0 = time.perf_counter()
+        if self.compile_decode and self.max_batch >= 3 and self.max_seq_len >= 8:
+            lengths = [3, 2, 4]  # the middle row finishes first: the others then sit in slots 0 and 2
+            params = [SamplingParams(temperature=0.0, max_tokens=n, seed=0, ignore_eos=True) for n in lengths]
+            self.generate([[0]], params[0])
+            self.generate([[0]] * 3, params)
+        return time.perf_counter() - t0
+
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  timeout_s: float = 600.0) -> list[RequestOutput]:
