@@ -339,7 +339,7 @@ class Engine:
         positions = torch.tensor(pos, device=self.device)[:, None]
         slots: torch.Tensor | int = seqs[0].slot  # consecutive slots (the first given): the cache is read as a view
         if self.compile_decode or seqs[-1].slot - seqs[0].slot != len(seqs) - 1:
-            # (compiled, every batch is gathered: a graph reading a view specialises on the batch size)
+            # Gathered (and always when compiled: a graph that reads a view specialises on the batch size).
             slots = torch.tensor([s.slot for s in seqs], device=self.device)
         with torch.no_grad():
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
@@ -352,7 +352,7 @@ class Engine:
     def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, slots: torch.Tensor | int,
                      length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode forward: logits of each row's last position, and the routing it used. `slots`: each
-        row's slot, or the first of consecutive ones (an int, which a compiled graph keeps symbolic)."""
+        row's slot, or the first of consecutive ones."""
         if isinstance(slots, int):
             slots = slice(slots, slots + ids_BT.shape[0])
         out = self.model(ids_BT, positions_BT, kv_cache=self.cache, cache_slots=slots,
@@ -454,17 +454,14 @@ class Engine:
     # ------------------------------------------------------------------------------------------ sync use
 
     def warm_up(self) -> float:
-        """Compile the decode graphs now (one row; several, in consecutive and in scattered slots) rather
-        than on the first requests; returns the seconds it took. Seeded greedy requests on token 0: no randomness is
-        drawn, and a slot's stale prefix is never reused by a prompt it does not match."""
+        """Compile the decode graphs (one row; more) now rather than on the first requests; returns the
+        seconds it took. Seeded greedy requests on token 0: no randomness is drawn from the engine."""
         t0 = time.perf_counter()
-        if self.compile_decode and self.max_batch >= 3 and self.max_seq_len >= 8:
-            lengths = [3, 2, 4]  # the middle row finishes first: the others then sit in slots 0 and 2
-            params = [SamplingParams(temperature=0.0, max_tokens=n, seed=0, ignore_eos=True) for n in lengths]
-            self.generate([[0]], params[0])
-            self.generate([[0]] * 3, params)
+        if self.compile_decode and self.max_seq_len >= 4:
+            params = SamplingParams(temperature=0.0, max_tokens=2, seed=0, ignore_eos=True)
+            for rows in sorted({1, min(2, self.max_batch)}):
+                self.generate([[0]] * rows, params)
         return time.perf_counter() - t0
-
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  timeout_s: float = 600.0) -> list[RequestOutput]:
