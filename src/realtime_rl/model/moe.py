@@ -85,8 +85,8 @@ class Experts(nn.Module):
         # A count of static shape (bincount's depends on the data, which torch.compile cannot trace).
         counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=x_NC.device).scatter_add_(
             0, flat_expert_M, torch.ones_like(flat_expert_M))
-        if _HAS_GROUPED_MM and not torch.is_grad_enabled():
-            # Inference: two grouped matmuls instead of a Python loop over experts.
+        if _HAS_GROUPED_MM and not torch.is_grad_enabled() and (x_NC.is_cpu or x_NC.dtype == torch.bfloat16):
+            # Inference: two grouped matmuls instead of a Python loop over experts (CUDA's take bf16 only).
             y_MC = expert_swiglu(x_MC, self.gate_up_proj, self.down_proj, counts_E.cumsum(0).to(torch.int32))
         else:
             parts = []
