@@ -305,8 +305,7 @@ def test_the_compiled_decode_step_changes_nothing_and_survives_swaps(moe):
     results = []
     for compiled in (False, True):
         engine = Engine(moe, max_batch=8, max_seq_len=64, compile_decode=compiled)
-        if compiled:
-            engine.warm_up()
+        if compiled:  # the constructor compiled both graphs
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one row; more
         first = engine.generate(ps[:1], GREEDY) + engine.generate(ps[1:], params)  # one row, then ragged
         rid = engine.add_request(ps[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

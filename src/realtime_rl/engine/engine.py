@@ -26,9 +26,10 @@ and otherwise every episode in flight would re-prefill its whole context after e
 
 Compiled decode (`compile_decode=True`): the decode step's forward runs through `torch.compile` with
 dynamic batch and prefix sizes (a graph for a single row, one for every batch of more),
-which removes most of the per-operator overhead that bounds a small model's decode step on CPU. It is
-compiled on first use (tens of seconds on two cores; inductor caches the result on disk for the next
-process); the weights stay inputs of the graph, so hot swaps need no recompilation. Prefill stays eager.
+which removes most of the per-operator overhead that bounds a small model's decode step on CPU. The
+constructor compiles both graphs (tens of seconds on two cores; inductor caches the result on disk for
+the next process), so no request waits on it; the weights stay inputs of the graph, so hot swaps need no
+recompilation. Prefill stays eager.
 
 Not here: paged attention, prefix sharing between running sequences, chunked prefill, speculative decoding.
 """
@@ -155,6 +156,7 @@ class Engine:
             # The C++ wrapper calls the graph's kernels without Python in between (~10% faster on CPU).
             self._decode_forward = torch.compile(self._last_logits, dynamic=True,
                                                  options={"cpp_wrapper": self.device.type == "cpu"})
+            self._compile_graphs()
 
     # ------------------------------------------------------------------------------------------ intake
 
@@ -453,15 +455,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ sync use
 
-    def warm_up(self) -> float:
-        """Compile the decode graphs (one row; more) now rather than on the first requests; returns the
-        seconds it took. Seeded greedy requests on token 0: no randomness is drawn from the engine."""
-        t0 = time.perf_counter()
-        if self.compile_decode and self.max_seq_len >= 4:
-            params = SamplingParams(temperature=0.0, max_tokens=2, seed=0, ignore_eos=True)
-            for rows in sorted({1, min(2, self.max_batch)}):
-                self.generate([[0]] * rows, params)
-        return time.perf_counter() - t0
+    def _compile_graphs(self) -> None:
+        """Run one decode step of one row and of two, so that both compiled graphs exist before any request
+        arrives. Seeded greedy requests on token 0: no randomness is drawn from the engine."""
+        params = SamplingParams(temperature=0.0, max_tokens=2, seed=0, ignore_eos=True)
+        for rows in sorted({1, min(2, self.max_batch)}):
+            self.generate([[0]] * rows, params)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  timeout_s: float = 600.0) -> list[RequestOutput]:

@@ -71,7 +71,6 @@ class RolloutWorker:
         engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=config.episodes_in_flight,
                         max_seq_len=config.agent.max_context_tokens, seed=seed + 7919 * worker_id,
                         prefix_max_age=config.prefix_max_age or 0, compile_decode=config.compile_decode)
-        engine.warm_up()  # compiles before the run's clock starts (compile_decode)
         self.engine = AsyncEngine(engine, max_pending=4 * config.episodes_in_flight).start()
         self.pool = WarmPool(config.sandbox)
         self.grader = Sandbox(config.sandbox)

@@ -53,7 +53,6 @@ def build_engine(settings: ServeConfig) -> AsyncEngine:
         raise ValueError(f"{settings.checkpoint}: no tokenizer.json; the gateway needs the checkpoint's tokenizer")
     engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=settings.max_batch, max_seq_len=settings.max_seq_len,
                     compile_decode=settings.compile_decode)
-    engine.warm_up()  # compiles before the first request (compile_decode)
     return AsyncEngine(engine, max_pending=settings.max_pending).start()
 
 

@@ -114,5 +114,4 @@ def build_candidate(champion: AsyncEngine, state: Mapping[str, torch.Tensor], ve
     engine.update_weights(state, version)  # checks names and shapes
     engine.step()  # no requests yet: the step only swaps the staged weights in, before anyone is served
     assert engine.version == version
-    engine.warm_up()  # compiles before the candidate is served (compile_decode)
     return AsyncEngine(engine, max_pending=champion.max_pending).start()
