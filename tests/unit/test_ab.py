@@ -228,3 +228,24 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
     assert report.arms["champion"]["units"] == 1 and report.metrics["edits_kept"].champion.value == 1.0
     assert report.decision == "continue"
     store.close()
+
+
+def test_a_persist_shorter_than_the_reward_rules_window_does_not_count_as_kept(tmp_path):
+    # The reward rules settle an edit as kept only at window_s >= persist_window_s; the A/B counts the same.
+    store = SqliteEventStore(tmp_path / "events.sqlite")
+    store.add_completion(completion("short", "u1", "champion", 0.5))
+    store.add_completion(completion("long", "u2", "candidate", 0.5))
+    store.add_events([
+        FeedbackEvent("e1", "edit_accepted", completion_id="short"),
+        FeedbackEvent("e2", "edit_persisted", completion_id="short", window_s=5.0),
+        FeedbackEvent("e3", "edit_persisted", completion_id="long", window_s=15.0),
+    ])
+    records = {r.completion_id: r for r in ab_records(store.list_completions(), store.list_events(),
+                                                      persist_window_s=15.0)}
+    assert records["short"] == ABRecord("short", "champion", "u1", True, False, False, False, 0.5)  # pending
+    assert records["long"] == ABRecord("long", "candidate", "u2", True, True, False, False, 0.5)
+    report = analyze(list(records.values()), ABConfig())
+    assert report.arms["champion"]["pending_edits"] == 1 and report.arms["champion"]["kept"] == 0
+    # Without a window (the default) any edit_persisted is kept.
+    assert all(r.kept for r in ab_records(store.list_completions(), store.list_events()))
+    store.close()

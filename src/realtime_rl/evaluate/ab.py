@@ -11,7 +11,8 @@ follow-up came, and its latency. From feedback events (joined by completion id; 
 are not attributed to a completion and are ignored here):
 
 - an edit was made: edit_accepted, edit_persisted or edit_reverted;
-- kept: edit_persisted and no edit_reverted; reverted: edit_reverted (a revert outweighs a persist);
+- kept: edit_persisted (with a window of at least the reward rules' persist_window_s, when given) and no
+  edit_reverted; reverted: edit_reverted (a revert outweighs a persist);
 - edits kept % = kept / (kept + reverted): edits whose window has not closed yet are pending and left
   out of numerator and denominator alike (counted in the report), so the rate does not depend on when
   the analysis runs;
@@ -97,12 +98,21 @@ class ABRecord:
     latency_s: float
 
 
-def ab_records(completions: Iterable[CompletionRecord], events: Iterable[FeedbackEvent]) -> list[ABRecord]:
-    """One record per completion, with the feedback events that name it (by completion id)."""
+def ab_records(completions: Iterable[CompletionRecord], events: Iterable[FeedbackEvent],
+               persist_window_s: float = 0.0) -> list[ABRecord]:
+    """One record per completion, with the feedback events that name it (by completion id).
+
+    An edit counts as kept only from an edit_persisted whose window_s is at least `persist_window_s` (pass
+    the reward rules' own, so that the A/B and the rewards agree on what "kept" means); a shorter window
+    leaves the edit pending."""
     kinds: dict[str, set[str]] = defaultdict(set)
     for event in events:
-        if event.completion_id is not None:
-            kinds[event.completion_id].add(event.type)
+        if event.completion_id is None:
+            continue
+        if event.type == "edit_persisted" and persist_window_s > 0 and (event.window_s or 0.0) < persist_window_s:
+            kinds[event.completion_id].add("edit_accepted")  # an edit was made; not yet known to be kept
+            continue
+        kinds[event.completion_id].add(event.type)
     records = []
     for c in completions:
         seen = kinds.get(c.completion_id, set())

@@ -300,7 +300,7 @@ class RealtimeLoop:
         version = state.canary
         traffic = read_traffic(self.store, since=state.canary_since, until=window_end)
         events = [e for evs in traffic.events.values() for e in evs]
-        ab = analyze(ab_records(traffic.completions, events), cfg.ab)
+        ab = analyze(ab_records(traffic.completions, events, cfg.rewards.persist_window_s), cfg.ab)
         champion = [c for c in traffic.completions if c.arm == "champion"]
         candidate = [c for c in traffic.completions if c.arm == "candidate"]
         by_arm = {arm: traffic_interactions(Traffic(cs, traffic.events, traffic.session_ends))
