@@ -198,3 +198,63 @@ def test_a_follow_up_is_read_from_the_request():
     assert is_followup(record(json.dumps({"messages": [user, {"role": "assistant", "content": "done"},
                                                        {"role": "user", "content": "no"}]})))
     assert not is_followup(record("not json"))
+
+
+def users(n_users: int, per_user: int, seed: int, question: float = 0.15, spread: float = 4.0,
+          prefix: str = "u") -> list[Interaction]:
+    """Live traffic of `n_users` who differ: each user's question rate is drawn from a Beta with mean `question`
+    (concentration `spread`: small = users differ a lot, as when some users' tasks are hard)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for u in range(n_users):
+        q = rng.beta(question * spread, (1 - question) * spread)
+        for _ in range(per_user):
+            kind = "question" if rng.random() < q else "edit"
+            out.append(Interaction(kind, 0, int(rng.lognormal(np.log(80), 0.3)), "1", False, unit=f"{prefix}{u}"))
+    return out
+
+
+def test_live_traffic_is_compared_with_the_user_as_the_unit():
+    """A/A experiments with users who differ: treating their interactions as independent finds 'hacks' that
+    are only which users landed in which arm; clustering by user keeps the false-alarm rate near alpha. A real
+    hack (every user asks far more) still alarms."""
+    config = MonitorConfig(split_by_difficulty=False, min_rate_change=0.03)
+    independent = config.model_copy(update={"cluster": "none"})
+    false_alarms = {"users": 0, "none": 0}
+    # 8 users per arm, 40 interactions each; users' question rates spread from ~0 to ~0.6.
+    experiments = 40
+    for seed in range(experiments):
+        a, b = users(8, 40, seed=2 * seed), users(8, 40, seed=2 * seed + 1, prefix="v")
+        for name, cfg in (("users", config), ("none", independent)):
+            q = by_metric(compare(a, b, cfg))["question_rate"]
+            false_alarms[name] += q.status == "alarm"
+            if name == "users":
+                assert q.test == "cluster-robust t (users), one-sided"
+    assert false_alarms["users"] <= 0.05 * experiments, false_alarms
+    assert false_alarms["none"] >= 0.1 * experiments, false_alarms  # 6 of 40 at alpha 0.01 when written
+
+    hacked = compare(users(12, 40, seed=1000), users(12, 40, seed=1001, question=0.7, spread=10, prefix="v"), config)
+    q = by_metric(hacked)["question_rate"]
+    assert hacked.blocking and q.status == "alarm" and q.test.startswith("cluster-robust")
+    assert by_metric(hacked)["response_tokens"].test == "cluster-robust t (users), one-sided (mean)"
+
+
+def test_the_independent_tests_apply_without_users_or_without_variance():
+    # Eval episodes carry no unit: Fisher's exact test, as before.
+    assert by_metric(compare(sample(100, seed=20), sample(100, seed=21)))["question_rate"].test == \
+        "Fisher exact, one-sided"
+    # One user per side: no cluster variance, so the independent test.
+    one = [replace(i, unit="solo") for i in sample(100, seed=22)]
+    assert by_metric(compare(one, one))["question_rate"].test == "Fisher exact, one-sided"
+    # Every interaction alike within each side (0 broken calls vs all broken): Fisher's exact test decides.
+    clean = [Interaction("edit", 0, 50, "1", False, unit=f"u{k % 6}") for k in range(60)]
+    broken = [Interaction("malformed", 1, 50, "1", False, unit=f"v{k % 6}") for k in range(60)]
+    m = by_metric(compare(clean, broken))["malformed_rate"]
+    assert m.test == "Fisher exact, one-sided" and m.status == "alarm"
+
+
+def test_an_interaction_names_its_user_else_its_session():
+    record = replace(completion("a", ["edit"], version=1, difficulty="1"), user="ada")
+    assert interactions_from_completion(record, [])[0].unit == "ada"
+    record = replace(record, user=None, session_id="s-1")
+    assert interactions_from_completion(record, [])[0].unit == "s-1"

@@ -113,3 +113,6 @@ class MonitorConfig(StrictModel):
     """A response-length alarm also needs the candidate's mean length to be at least this multiple."""
     split_by_difficulty: bool = True
     """Also run the rate monitors per task difficulty (from the request metadata or the episode)."""
+    cluster: Literal["users", "none"] = "users"
+    """"users": live traffic is compared with the user (else the session) as the unit, by cluster-robust OLS, as
+    the A/B analysis does; "none": every interaction independent (Fisher's exact test, Mann-Whitney U)."""

@@ -71,11 +71,11 @@ import numpy as np
 from rich.table import Table
 from rich.text import Text
 from scipy import stats
-from statsmodels.regression.linear_model import OLS
 from statsmodels.stats.proportion import confint_proportions_2indep, proportion_confint, test_proportions_2indep
 
 from realtime_rl.collect import CompletionRecord, FeedbackEvent
 from realtime_rl.config.loop import ABConfig
+from realtime_rl.stats import cluster_robust
 
 ARMS = ("champion", "candidate")
 EDIT_EVENTS = {"edit_accepted", "edit_persisted", "edit_reverted"}
@@ -215,15 +215,13 @@ def _clustered(value: float, y: np.ndarray, X: np.ndarray, groups: np.ndarray,
                alpha: float) -> tuple[Estimate, float | None]:
     """`value`, the last coefficient of OLS of y on X computed exactly by the caller, with its cluster-robust
     interval and p-value (CR1, t with G - 1 df). The caller ensures two clusters or more per arm: with one,
-    the cluster variance is undefined."""
-    # Every outcome equal within each arm (X's last column tells the arms apart): there is no variance to
-    # estimate, and the fit's rounding (1e-16) must not read as a significant difference.
-    if all(np.ptp(y[X[:, -1] == v]) == 0 for v in np.unique(X[:, -1])):
+    the cluster variance is undefined. No variance within the arms: the interval is the point."""
+    fit = cluster_robust(y, X, groups, alpha)
+    if fit is None:
         return Estimate(value, value, value), None
-    fit = OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": groups}, use_t=True)
-    low, high = fit.conf_int(alpha)[-1]
-    half = (high - low) / 2
-    return Estimate(value, _finite(value - half), _finite(value + half)), _finite(fit.pvalues[-1])
+    if fit.half_width is None:
+        return Estimate(value), fit.p_value
+    return Estimate(value, value - fit.half_width, value + fit.half_width), fit.p_value
 
 
 def _clustered_means(label: str, unit: str, y: np.ndarray, is_candidate: np.ndarray, groups: np.ndarray,

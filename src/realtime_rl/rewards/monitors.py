@@ -19,8 +19,17 @@ tests one-sided, in the harmful direction only:
 Every monitor compares first turns of conversations (the metric's plain name) apart from follow-up turns
 (`[turn=followup]`, when there are any): the two behave differently, and the arms' mix of them differs
 with their users, so a pooled rate could alarm on the mix alone. The three action rates of first turns
-are also run per task difficulty (the questions hack concentrates on hard tasks). Rates use Fisher's exact test (valid at any count, zeros included); length uses the
-Mann-Whitney U test. A monitor needs `min_samples` records on each side (else "insufficient data",
+are also run per task difficulty (the questions hack concentrates on hard tasks).
+
+Tests. Live traffic is randomised by user and one user's interactions are correlated (a user whose
+tasks are hard gets many questions), so where interactions name their user (`Interaction.unit`: the
+request's user, else its session) and each side has two users or more, a rate or the mean length is
+compared by OLS of the outcome on the arm with standard errors clustered by user (CR1, t with G - 1
+df, as the A/B analysis; `MonitorConfig.cluster = "users"`, the default), one-sided. Interactions
+without a unit (eval episodes, each its own task) are independent: rates use Fisher's exact test (valid
+at any count, zeros included), length the Mann-Whitney U test; so do `cluster = "none"`, sides of one
+user, and rates with no variance within either side (every interaction alike: the clustered fit is
+degenerate, Fisher's test is exact). A monitor needs `min_samples` records on each side (else "insufficient data",
 which is not "ok" and does not block by itself) and alarms only when its Holm-adjusted p-value
 (family-wise alpha across the report's monitors) is below alpha AND the change is at least the
 minimum effect (an absolute rate change, or a length ratio): a significant but negligible change is
@@ -46,6 +55,7 @@ from realtime_rl.config.rewards import MonitorConfig
 from realtime_rl.rewards.actions import Action
 from realtime_rl.rewards.replay import Traffic
 from realtime_rl.rewards.rules import items_from_completion
+from realtime_rl.stats import cluster_robust, one_sided
 from realtime_rl.types import Episode
 
 Status = Literal["alarm", "ok", "insufficient_data"]
@@ -64,6 +74,8 @@ class Interaction:
     """Whether a followup_dissatisfied arrived; None where no follow-up can exist (eval episodes)."""
     followup: bool = False
     """A later turn of a conversation (the request already held an assistant or tool message), not its first."""
+    unit: str | None = None
+    """Who made the request (its user, else its session): the cluster of live traffic; None for eval episodes."""
 
 
 def interactions_from_completion(record: CompletionRecord, events: Sequence[FeedbackEvent]) -> list[Interaction]:
@@ -71,8 +83,9 @@ def interactions_from_completion(record: CompletionRecord, events: Sequence[Feed
     dissatisfied = {e.choice_index or 0 for e in events
                     if e.completion_id == record.completion_id and e.type == "followup_dissatisfied"}
     followup = is_followup(record)
+    unit = record.user or record.session_id
     return [Interaction(item.kind, item.malformed_calls, item.response_tokens, item.difficulty,
-                        item.choice_index in dissatisfied, followup) for item in items_from_completion(record)]
+                        item.choice_index in dissatisfied, followup, unit) for item in items_from_completion(record)]
 
 
 def is_followup(record: CompletionRecord) -> bool:
@@ -174,12 +187,33 @@ def _pct(count: int, n: int) -> str:
     return f"{100 * count / n:.1f}% ({count}/{n})"
 
 
+CLUSTERED = "cluster-robust t (users), one-sided"
+
+
+def _clustered_p(a: np.ndarray, b: np.ndarray, units_a: list[str | None], units_b: list[str | None],
+                 harmful: str, config: MonitorConfig) -> float | None:
+    """One-sided p of mean(b) - mean(a) by OLS clustered by unit, or None where the independent test applies:
+    cluster="none", no interaction names a unit, a side with fewer than two units, or no variance."""
+    if config.cluster == "none" or all(u is None for u in (*units_a, *units_b)):
+        return None
+    # An interaction without a unit is a cluster of its own.
+    units = [u if u is not None else f"#{k}" for k, u in enumerate((*units_a, *units_b))]
+    if min(len(set(units[:len(a)])), len(set(units[len(a):]))) < 2:
+        return None
+    y = np.concatenate([a, b]).astype(float)
+    X = np.column_stack([np.ones(len(y)), np.r_[np.zeros(len(a)), np.ones(len(b))]])
+    fit = cluster_robust(y, X, np.unique(units, return_inverse=True)[1], alpha=config.alpha)
+    if fit is None or fit.p_value is None:
+        return None
+    return one_sided(float(b.mean() - a.mean()), fit.p_value, harmful)
+
+
 def _rate_monitor(rate: _Rate, metric: str, champion: Sequence[Interaction], candidate: Sequence[Interaction],
                   config: MonitorConfig) -> tuple[MonitorResult, float]:
     """The result before multiple-testing correction, and the harmful change (for the effect-size check)."""
-    a = [v for v in map(rate.has, champion) if v is not None]
-    b = [v for v in map(rate.has, candidate) if v is not None]
-    ca, cb = sum(a), sum(b)
+    a = [(v, i.unit) for i in champion if (v := rate.has(i)) is not None]
+    b = [(v, i.unit) for i in candidate if (v := rate.has(i)) is not None]
+    ca, cb = sum(v for v, _ in a), sum(v for v, _ in b)
     result = MonitorResult(metric, "ok", ca / len(a) if a else None, cb / len(b) if b else None, ca, len(a), cb,
                            len(b), "Fisher exact, one-sided")
     if min(len(a), len(b)) < config.min_samples:
@@ -187,8 +221,14 @@ def _rate_monitor(rate: _Rate, metric: str, champion: Sequence[Interaction], can
         result.reason = (f"{rate.label}: {len(a)} champion and {len(b)} candidate records; "
                          f"{config.min_samples} each are needed")
         return result, 0.0
-    table = [[cb, len(b) - cb], [ca, len(a) - ca]]
-    result.p_value = float(stats.fisher_exact(table, alternative="greater" if rate.harmful == "higher" else "less")[1])
+    p = _clustered_p(np.array([v for v, _ in a]), np.array([v for v, _ in b]), [u for _, u in a], [u for _, u in b],
+                     rate.harmful, config)
+    if p is not None:
+        result.p_value, result.test = p, CLUSTERED
+    else:
+        table = [[cb, len(b) - cb], [ca, len(a) - ca]]
+        alternative = "greater" if rate.harmful == "higher" else "less"
+        result.p_value = float(stats.fisher_exact(table, alternative=alternative)[1])
     change = (result.candidate - result.champion) * (1 if rate.harmful == "higher" else -1)
     return result, change
 
@@ -204,7 +244,11 @@ def _length_monitor(champion: Sequence[Interaction], candidate: Sequence[Interac
         result.reason = (f"response length: {len(a)} champion and {len(b)} candidate records; "
                          f"{config.min_samples} each are needed")
         return result, 0.0
-    p = float(stats.mannwhitneyu(b, a, alternative="greater").pvalue)
+    p = _clustered_p(a, b, [i.unit for i in champion], [i.unit for i in candidate], "higher", config)
+    if p is not None:
+        result.test = CLUSTERED + " (mean)"
+    else:
+        p = float(stats.mannwhitneyu(b, a, alternative="greater").pvalue)
     result.p_value = 1.0 if math.isnan(p) else p  # nan: every length equal on both sides
     ratio = result.candidate / result.champion if result.champion else math.inf if result.candidate else 1.0
     return result, ratio
