@@ -13,6 +13,7 @@ and in report.html.
 from __future__ import annotations
 
 import itertools
+import time
 import threading
 import uuid
 
@@ -139,10 +140,16 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
                 assert loop._follow_registry() == [
                     f"canary v{third['gate']['version']} is rolled_back by hand: its traffic share is now 0"]
                 assert loop.state.canary is None and loop.gateway.traffic()["candidate_fraction"] == 0.0
-            with Registry.open(loop_dir) as registry:  # a live version rolled back by hand cannot be served
+            with Registry.open(loop_dir) as registry:  # the live version rolled back by hand: v0 is live again
                 registry.rollback(candidate, reason="operator: by hand")
-            with pytest.raises(RuntimeError, match="rolled back outside the loop"):
-                loop._follow_registry()
+            assert loop._follow_registry() == [
+                f"live v0 (restored by a rollback of v{candidate}) published to the champion arm"]
+            assert loop.champion_serves == 0 and loop.champion_weights.last.version > candidate
+            deadline = time.monotonic() + 30  # the gateway's champion arm swaps v0's weights back in
+            while loop.gateway.traffic()["arms"]["champion"]["version"] != 0:
+                assert time.monotonic() < deadline, loop.gateway.traffic()
+                time.sleep(0.2)
+            assert loop._follow_registry() == []
         finally:
             users.stop.set()
             users.thread.join(30)

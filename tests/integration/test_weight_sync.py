@@ -274,3 +274,36 @@ def test_a_restarted_publisher_resumes_with_deltas(tmp_path):
     subscriber = WeightSubscriber(transport)
     assert subscriber.poll() == 3 and subscriber.state.digests == restarted.last.digests
     assert WeightPublisher(FilesystemTransport(tmp_path / "empty")).resume() is None
+
+
+def test_a_rolled_back_policy_is_served_again_as_a_new_store_version(tmp_path):
+    """Store versions only increase; a rollback publishes the old policy's weights as the next store version,
+    labelled with the old policy version: the engine swaps them in, stamps new tokens with that version and
+    reuses no prefix the newer weights computed. A restarted publisher keeps the label."""
+    trainer = Trainer()
+    v0 = {k: v.detach().clone() for k, v in trainer.params().items()}
+    engine = serving_engine(trainer)
+    transport = FilesystemTransport(tmp_path)
+    publisher = WeightPublisher(transport, snapshot_every=10)
+    subscriber = WeightSubscriber(transport, apply=engine.update_weights)
+    publisher.publish(v0, 0)
+    trainer.step()
+    publisher.publish(trainer.params(), 1)
+    subscriber.poll()
+    engine.step()
+    assert engine.version == 1
+    prompt = [1, 2, 3, 4, 5, 6]
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    stats = publisher.publish(v0, 2, policy_version=0)  # the rollback: store version 2 is policy 0
+    assert stats.bytes_delta is not None and publisher.last.serves == 0
+    assert subscriber.poll() == 2 and subscriber.state.policy_version == 0
+    hits = engine.prefix_hit_tokens
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert engine.version == 0 and set(out.samples[0].versions) == {0}
+    assert engine.prefix_hit_tokens == hits  # version 1 computed the cached prompt: not reused under version 0
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, v0[name].to(torch.bfloat16).float()), name
+    restarted = WeightPublisher(transport, snapshot_every=10)
+    assert restarted.resume() == 2 and restarted.last.serves == 0
+    with pytest.raises(ValueError, match="versions must increase"):
+        publisher.publish(v0, 2, policy_version=0)

@@ -167,6 +167,11 @@ def test_header_names_versions_dtypes_shapes():
         ("y", "float32", (5,), tc.SAME)]
     snap = read_header(encode_snapshot(new))
     assert not snap.is_delta and snap.version == 8 and snap.base_digest == bytes(16)
+    assert header.policy_version is None and decode(encode_delta(base, new), base).serves == 8
+    relabelled = WeightState.of(a, 9, policy_version=7)  # v7's weights served again as store version 9
+    state = decode(encode_delta(new, relabelled), new)
+    assert (state.version, state.policy_version, state.serves) == (9, 7, 7)
+    assert decode(encode_snapshot(relabelled)).serves == 7
 
 
 @pytest.fixture(scope="module")

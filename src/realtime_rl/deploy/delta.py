@@ -18,7 +18,8 @@ A blob (all integers little-endian):
     24      16    digest of the base state (zeros in a snapshot)
     40      16    digest of the state this blob rebuilds
     56      4     header length H (u32)
-    60      H     zstd-compressed JSON {"tensors": [[name, dtype, shape, codec, payload bytes], ...]}
+    60      H     zstd-compressed JSON {"tensors": [[name, dtype, shape, codec, payload bytes], ...],
+                  "policy_version": N (optional)}
     60+H    16*T  digest of every rebuilt tensor, in header order
     ...           tensor payloads, in header order (codecs: tensor_codec.py)
     end-16  16    digest of everything before it
@@ -28,6 +29,11 @@ of the names and tensor digests for a state. The trailer rejects a truncated or 
 any decoding; the base digest rejects a delta applied to the wrong weights; the tensor digests
 prove the rebuilt weights bit-exact. Every failure raises DeltaError and leaves the base untouched:
 decoding writes new arrays and shares only the tensors a delta leaves unchanged.
+
+`version` orders the store: it only increases, and a delta goes from one version to a later one.
+`policy_version` names the policy these weights are, where that differs from `version`: a live version
+rolled back in the registry is served again by publishing its weights as a new store version labelled
+with its own policy version (the subscriber hands the label to the engine, which stamps it on tokens).
 
 Not here: which blobs exist and where (transports/), the snapshot-every-N policy (sync.py).
 """
@@ -95,17 +101,25 @@ class WeightState:
     version: int
     tensors: dict[str, torch.Tensor]
     digests: dict[str, bytes]
+    policy_version: int | None = None
+    """The policy these weights are, when not `version` (a rollback re-published under a new store version)."""
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor], version: int, workers: int = WORKERS) -> WeightState:
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
+    def of(cls, tensors: Mapping[str, torch.Tensor], version: int, workers: int = WORKERS,
+           policy_version: int | None = None) -> WeightState:
+        if version < 0 or (policy_version is not None and policy_version < 0):
+            raise ValueError(f"versions must be >= 0, got {version} (policy version {policy_version})")
         owned = {}
         for name, t in tensors.items():
             tc.float_format(t.dtype)
             owned[name] = t.detach().cpu().contiguous()
         digests = _map(tensor_digest, list(owned.values()), workers)
-        return cls(version, owned, dict(zip(owned, digests)))
+        return cls(version, owned, dict(zip(owned, digests)), policy_version)
+
+    @property
+    def serves(self) -> int:
+        """The policy version to stamp on what these weights generate."""
+        return self.version if self.policy_version is None else self.policy_version
 
     @property
     def digest(self) -> bytes:
@@ -127,6 +141,7 @@ class BlobHeader:
     """(name, dtype, shape, codec, payload length) in payload order."""
     digests: list[bytes]
     payload_offset: int
+    policy_version: int | None = None
 
     @property
     def is_delta(self) -> bool:
@@ -135,7 +150,10 @@ class BlobHeader:
 
 def _pack(kind: int, state: WeightState, base: WeightState | None, entries: list,
           payloads: list[bytes]) -> bytes:
-    header = zstandard.ZstdCompressor(level=19).compress(json.dumps({"tensors": entries}).encode())
+    meta: dict = {"tensors": entries}
+    if state.policy_version is not None:
+        meta["policy_version"] = state.policy_version
+    header = zstandard.ZstdCompressor(level=19).compress(json.dumps(meta).encode())
     fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, kind, 0, state.version,
                         base.version if base is not None else state.version,
                         base.digest if base is not None else bytes(DIGEST_BYTES), state.digest, len(header))
@@ -194,6 +212,7 @@ def read_header(blob: bytes | memoryview) -> BlobHeader:
         meta = json.loads(zstandard.ZstdDecompressor().decompress(bytes(blob[start:start + header_len])))
         tensors = [(str(n), str(d), tuple(int(s) for s in shape), int(c), int(ln))
                    for n, d, shape, c, ln in meta["tensors"]]
+        policy_version = None if meta.get("policy_version") is None else int(meta["policy_version"])
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
         raise DeltaError(f"weight blob header does not parse: {exc}") from exc
     at = start + header_len
@@ -202,7 +221,7 @@ def read_header(blob: bytes | memoryview) -> BlobHeader:
     if payload_offset + sum(t[4] for t in tensors) + DIGEST_BYTES != len(blob):
         raise DeltaError("weight blob length does not match its header")
     return BlobHeader(kind, version, base_version, bytes(base_dig), bytes(state_dig), tensors, digests,
-                      payload_offset)
+                      payload_offset, policy_version)
 
 
 def decode(blob: bytes | memoryview, base: WeightState | None = None, workers: int = WORKERS) -> WeightState:
@@ -251,4 +270,4 @@ def decode(blob: bytes | memoryview, base: WeightState | None = None, workers: i
     digests = {job[0]: d for job, (_, d) in zip(jobs, results)}
     if state_digest(digests) != header.state_digest:
         raise DeltaError(f"version {header.version}: state digest differs from the header")
-    return WeightState(header.version, tensors, digests)
+    return WeightState(header.version, tensors, digests, header.policy_version)

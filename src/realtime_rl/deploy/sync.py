@@ -21,7 +21,8 @@ snapshot. Pass parameters, not a state_dict with tied aliases (those would trave
 version pruned or never written), longer than `max_chain`, or a blob is rejected, it starts again
 from the newest snapshot and the deltas after it. Everything is decoded and verified beside the live
 weights; only a verified state is handed to `apply(state, version)` (the engine stages it and swaps
-between decode steps). A corrupt, truncated or out-of-order blob never reaches `apply`: poll raises
+between decode steps; `version` is the state's policy version, which is its store version unless the
+publisher labelled it otherwise, as a rollback does). A corrupt, truncated or out-of-order blob never reaches `apply`: poll raises
 WeightSyncError naming it, and the weights serving stay those of the last good version.
 
 Not here: deciding what to deploy (the registry and gate), multi-node broadcast (NCCL).
@@ -76,15 +77,18 @@ class WeightPublisher:
         self.last: WeightState | None = None
         self._since_snapshot = 0
 
-    def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> PublishStats:
-        """Publish `tensors` (copied, cast to `dtype`) as `version`, which must exceed the last one."""
+    def publish(self, tensors: Mapping[str, torch.Tensor], version: int,
+                policy_version: int | None = None) -> PublishStats:
+        """Publish `tensors` (copied, cast to `dtype`) as `version`, which must exceed the last one.
+        `policy_version`: the policy these weights are, when not `version` (subscribers stamp it on what they
+        generate): how a rolled-back policy is served again, as a new store version."""
         t0 = time.perf_counter()
         if self.last is not None and version <= self.last.version:
             raise ValueError(f"versions must increase: published {self.last.version}, got {version}")
         with torch.no_grad():
             owned = {name: t.detach().to(device="cpu", dtype=self.dtype or t.dtype, copy=True)
                      for name, t in tensors.items()}
-        state = WeightState.of(owned, version, workers=self.workers)
+        state = WeightState.of(owned, version, workers=self.workers, policy_version=policy_version)
         blobs = {}
         if self.last is not None:
             blobs["delta"] = encode_delta(self.last, state, workers=self.workers)
@@ -164,7 +168,7 @@ class WeightSubscriber:
             raise WeightSyncError(f"cannot move from version {self.version} to {latest}; the weights serving "
                                   f"did not change: {'; '.join(problems) or 'no snapshot to start from'}")
         if self.apply is not None:
-            self.apply(dict(reached.tensors), reached.version)
+            self.apply(dict(reached.tensors), reached.serves)
         self.state = reached
         if reached.version < latest:
             raise WeightSyncError(f"reached version {reached.version}, not {latest}: {'; '.join(problems)}")

@@ -23,6 +23,8 @@ a swap never gets older keys/values (a new episode sharing only the system promp
 prefills it afresh), so sequences whose every token the current weights generated stay exactly
 on-policy. Asynchronous RL rollouts set their staleness bound here: the trainer publishes every step,
 and otherwise every episode in flight would re-prefill its whole context after each one.
+A swap to an older version (a rolled-back policy served again) starts a new cache epoch: nothing
+cached before it is reused.
 
 Compiled decode (`compile_decode=True`): the decode step's forward runs through `torch.compile` with
 dynamic batch and prefix sizes (a graph for a single row, one for every batch of more),
@@ -137,6 +139,10 @@ class Engine:
         self._slot_tokens: list[np.ndarray | None] = [None] * max_batch  # tokens whose KV a free slot holds
         self._slot_routing: list[torch.Tensor | None] = [None] * max_batch  # and their routing
         self._slot_kv_version: list[int] = [version] * max_batch  # the version of a slot's oldest keys/values
+        # A swap to an older version (a rollback) starts a new epoch: no cache from before it is reused, since
+        # the versions a slot's keys/values span are no longer ordered by when they were computed.
+        self._kv_epoch = 0
+        self._slot_kv_epoch: list[int] = [0] * max_batch
         self._slot_prompt_len: list[int] = [0] * max_batch  # how much of a slot's cache was its request's prompt
         self._slot_freed: list[int] = [-1] * max_batch  # when each slot was last freed (LRU eviction)
         self._frees = itertools.count()
@@ -230,6 +236,8 @@ class Engine:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.data = staged[name]
+        if version < self.version:
+            self._kv_epoch += 1
         self.version = version
         self.last_swap_pause_ms = (time.perf_counter() - t0) * 1e3
 
@@ -262,6 +270,7 @@ class Engine:
                     slot, hit = self._take_slot(req.prompt_ids if i == 0 else None)
                     if i:  # gets a copy of sample 0's prompt keys/values, cached part included
                         self._slot_kv_version[slot] = self._slot_kv_version[req.seqs[0].slot]
+                        self._slot_kv_epoch[slot] = self._slot_kv_epoch[req.seqs[0].slot]
                     reuse.append(hit)
                     req.seqs.append(_Seq(req, i, slot, gen))
                 admitted.append((req, reuse[0]))
@@ -316,6 +325,8 @@ class Engine:
                 cached = self._slot_tokens[slot]
                 if cached is None or (self.capture_routing and self._slot_routing[slot] is None):
                     continue
+                if self._slot_kv_epoch[slot] != self._kv_epoch:
+                    continue  # computed before a swap back to older weights
                 if self._slot_kv_version[slot] < self.version - self.prefix_max_age:
                     continue  # computed by weights older than the engine will reuse
                 n = min(len(cached), len(p) - 1)
@@ -329,7 +340,8 @@ class Engine:
             best = min(self._free_slots, key=lambda s: (self._slot_freed[s], s))
         self._free_slots.remove(best)
         self._slot_tokens[best] = None
-        self._slot_kv_version[best] = self._slot_kv_version[best] if best_hit else self.version
+        if not best_hit:
+            self._slot_kv_version[best], self._slot_kv_epoch[best] = self.version, self._kv_epoch
         return best, best_hit
 
     def _decode(self) -> None:

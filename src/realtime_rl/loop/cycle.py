@@ -152,7 +152,7 @@ class RealtimeLoop:
         if self.registry.live() is None:
             base = config.base_checkpoint or ensure_base_model(PretrainConfig())
             live = self.registry.bootstrap(base, version=0)
-            self.champion_weights.publish(_weights(live.checkpoint), live.version)
+            self._publish_champion(live)
         self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1),
                                       config.gate_split, config.gate_start)
         self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4], "heldout", config.gate_start)
@@ -269,26 +269,34 @@ class RealtimeLoop:
                                      reason="interrupted: the loop stopped before the gate decided")
         self._save()
 
+    def _publish_champion(self, version: PolicyVersion) -> None:
+        """Send `version`'s weights to the champion arm. The store's versions only increase, so a version older
+        than the one serving (a rollback) goes out as the next store version, labelled with its own policy
+        version: the gateway serves it and stamps its tokens with it."""
+        last = self.champion_weights.last
+        store_version = version.version if last is None else max(version.version, last.version + 1)
+        self.champion_weights.publish(_weights(version.checkpoint), store_version, policy_version=version.version)
+
+    @property
+    def champion_serves(self) -> int | None:
+        """The policy version the champion arm's weight store holds last (None before the first publish)."""
+        return None if self.champion_weights.last is None else self.champion_weights.last.serves
+
     def _follow_registry(self) -> list[str]:
         """`rtrl registry promote|rollback` may act while the loop waits: follow the registry before deciding.
         A canary an operator promoted or rolled back leaves the candidate arm (and a promoted one reaches the
-        champion arm). A live version older than the champion arm's (a hand rollback of the live version)
-        cannot be served through the weight store, whose versions only increase: that stops the loop."""
+        champion arm). A live version other than the one the champion arm serves (set or rolled back by hand)
+        is published to it: a rollback as the next store version, labelled with the older policy version."""
         state, actions = self.state, []
         if state.canary is not None and (now := self.registry.get(state.canary).state) != "canary":
             self.gateway.set_candidate_fraction(0.0)
             actions.append(f"canary v{state.canary} is {now} by hand: its traffic share is now 0")
             state.canary, state.canary_since, state.canary_cycles = None, None, 0
-        live = self.registry.live()
-        served = self.champion_weights.last.version if self.champion_weights.last else -1
-        if live.version > served:
-            self.champion_weights.publish(_weights(live.checkpoint), live.version)
-            actions.append(f"live v{live.version} (set by hand) published to the champion arm")
-        elif live.version < served:
-            raise RuntimeError(
-                f"the registry's live version is v{live.version} but the champion arm serves v{served}: a live "
-                "version was rolled back outside the loop. Serve it by starting the gateway on its checkpoint "
-                f"({live.checkpoint}) with a fresh champion weight store, then restart the loop.")
+        live, served = self.registry.live(), self.champion_serves
+        if live.version != served:
+            self._publish_champion(live)
+            how = "set by hand" if served is None or live.version > served else f"restored by a rollback of v{served}"
+            actions.append(f"live v{live.version} ({how}) published to the champion arm")
         for action in actions:
             self.console.print(f"registry: {action}")
         if actions:
@@ -319,8 +327,8 @@ class RealtimeLoop:
         self.console.print(ab.table())
         if verdict == "promote":
             new = self.registry.get(version)
-            if self.champion_weights.last is None or self.champion_weights.last.version < version:
-                self.champion_weights.publish(_weights(new.checkpoint), version)  # a lossless delta to the champion arm
+            if self.champion_serves != version:
+                self._publish_champion(new)  # a lossless delta to the champion arm
             self.registry.promote(version, reason=f"A/B: {reason}", evidence=evidence)
             self.gateway.set_candidate_fraction(0.0)
         elif verdict == "rollback":
