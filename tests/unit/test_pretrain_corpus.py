@@ -17,7 +17,7 @@ from realtime_rl.environments.synthetic import structure_split
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
-    MemoryTask, build_write_documents, commented, renamed, shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
+    MemoryTask, build_followup_documents, build_write_documents, commented, renamed, shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
 )
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss, prefix_cache,
@@ -135,6 +135,39 @@ def test_question_documents_ask_a_well_formed_clarifying_question(tmp_path):
         else:
             assert call.name == "write_file"
     assert 4 <= asked <= 18  # ~25% of 40
+
+
+def test_followup_documents_are_the_second_turn_users_ask_for(tmp_path):
+    """The prompt is what the gateway encodes for the follow-up request a simulated user sends (the first turn,
+    its tool result, the complaint or the answer), the target the reference write_file; loss on it only."""
+    from realtime_rl.environments.agent_loop import first_turn_messages
+    from realtime_rl.environments.tools import TOOL_SCHEMAS
+    from realtime_rl.model import render_messages
+
+    tasks = _tasks(tmp_path, 24)
+    tokenizer = _tokenizer(tasks)
+    docs = build_followup_documents(tasks, tokenizer, seed=0, question_fraction=0.3)
+    kinds = set()
+    for task, doc in zip(tasks, docs):
+        start = int(np.flatnonzero(doc.loss_mask)[0])
+        assert doc.loss_mask[start:].all() and not doc.loss_mask[:start].any() and doc.expert
+        first_turn = tokenizer.encode(render_messages(first_turn_messages(task), TOOL_SCHEMAS))
+        assert doc.token_ids[:len(first_turn)].tolist() == first_turn  # the conversation the users opened
+        prompt = tokenizer.decode(doc.token_ids[:start].tolist())
+        assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n") and prompt.count("<|im_start|>assistant") == 2
+        path = task.solution_files[0]
+        if "Please fix" in prompt:
+            kinds.add("failed")
+            assert f"so I reverted your change. Please fix {path}." in prompt and f"wrote {path}" in prompt
+        else:
+            kinds.add("question")
+            assert '"name": "ask_user"' in prompt and "No further constraints" in prompt
+        parsed = parse_assistant(tokenizer.decode(doc.token_ids[start:].tolist()).removesuffix("<|im_end|>"))
+        assert not parsed.errors and [c.function.name for c in parsed.tool_calls] == ["write_file"]
+        written = json.loads(parsed.tool_calls[0].function.arguments)
+        reference = commented(task.reference_solution()[path], instructions=task.instructions)
+        assert written == {"path": path, "content": reference}
+    assert kinds == {"failed", "question"}
 
 def test_prefix_cached_loss_equals_the_full_sequence_loss(tmp_path):
     tasks = _tasks(tmp_path, 8)

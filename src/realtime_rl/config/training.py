@@ -44,6 +44,9 @@ class PretrainConfig(StrictModel):
     question_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """Share of first-turn documents that ask the user a clarifying question (ask_user) instead of writing:
     the base policy then asks sometimes, as agents do, and a naive reward can learn to ask instead of act."""
+    followup_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the first-turn documents' tasks that also get a follow-up document: the second turn after a
+    failed edit or a clarifying question, as served users ask for it (train/corpus.py)."""
     steps: int = Field(1250, ge=1, le=10_000_000)
     """Optimizer steps."""
     batch_size: int = Field(16, ge=1, le=4096)

@@ -13,6 +13,12 @@ token layout the policy will see later):
              they need no sandbox, so many more tasks fit in the same budget. A share of them
              (`question_fraction`) asks the user a clarifying question instead (ask_user), as agents in
              the wild sometimes do: the base policy then has the behaviour a naive reward can inflate.
+    followup a second turn, as the simulated users ask for it: the task prompt, a first turn that did not
+             do the job (a novice write_file whose tests fail, or an ask_user question), the user's
+             follow-up exactly as the users send it (users.react and users.followup_messages: "The
+             tests fail ..., so I reverted your change. Please fix solution.py.", or the answer to the
+             question), then write_file of the reference. The loss is on the second turn only. Without
+             these a base trained on first turns breaks nearly every follow-up it is served.
 
 Solutions are written without the stub's docstring (it restates the instructions: tokens to generate
 that no test checks). The loss mask marks the assistant tokens, so pre-training learns to act, not to
@@ -37,8 +43,8 @@ from realtime_rl.environments.agent_loop import first_turn_messages
 from realtime_rl.environments.policies import ScriptedPolicy
 from realtime_rl.environments.synthetic_ops import NAME_STYLES, OPS
 from realtime_rl.environments.tasks import Task
-from realtime_rl.environments.tools import TOOL_SCHEMAS
-from realtime_rl.model import Tokenizer, render_messages
+from realtime_rl.environments.tools import QUESTION_TOOL, TOOL_SCHEMAS, Tools, Workspace
+from realtime_rl.model import Tokenizer, parse_assistant, render_messages
 
 CORPUS_FORMAT = 3
 """Bumped whenever the documents change for the same config (the corpus cache key includes it)."""
@@ -236,6 +242,39 @@ def build_write_documents(tasks: list[Task], tokenizer: Tokenizer, expert_fracti
         seg = episode.segments[0]
         end = int(np.flatnonzero(seg.loss_mask)[-1]) + 1
         docs.append(Document(seg.token_ids[:end].astype(np.int32), seg.loss_mask[:end].copy(), expert))
+    return docs
+
+
+def build_followup_documents(tasks: list[Task], tokenizer: Tokenizer, seed: int,
+                             question_fraction: float = 0.0) -> list[Document]:
+    """One second-turn document per task (see the module docstring): the prompt is rendered as the gateway
+    renders the follow-up request (render_messages with the generation prompt), the target is the reference
+    write_file and the stop token. A task without novice variants gets the question path."""
+    from realtime_rl.environments.users import EditOutcome, UserProfile, followup_messages, react, read_answer
+
+    rng = random.Random(seed)
+    user = UserProfile(user_id="corpus", preference="none", patience=2, think_time_s=(0.0, 0.0),
+                       persist_window_s=1.0, p_style_revert=0.0, p_malformed_complaint=1.0, followup_on_failure=True)
+    docs = []
+    for task in tasks:
+        path = task.solution_files[0]
+        if rng.random() < question_fraction or not task.novice_files:
+            first = _call("ask_user", question=clarifying_question(task, rng))
+        else:
+            first = _call("write_file", path=path, content=_solution(task, False, rng))
+        parsed = parse_assistant(first, TOOL_SCHEMAS)
+        answer = read_answer(parsed.content or None, parsed.tool_calls)
+        tools = Tools(Workspace(task.workspace()), task.test_files, None)
+        results = {c.id: tools.call(c.function.name, c.function.arguments) for c in answer.tool_calls
+                   if c.function.name != QUESTION_TOOL}
+        outcome = EditOutcome(False, rng.randint(1, 3), 0, None) if answer.kind == "edit" else None
+        reaction = react(user, answer, outcome, task, turns_left=1, rng=rng)
+        messages = first_turn_messages(task) + followup_messages(answer, results, reaction.reply or "")
+        prompt = tokenizer.encode(render_messages(messages, TOOL_SCHEMAS, add_generation_prompt=True))
+        target = tokenizer.encode(_call("write_file", path=path, content=_solution(task, True, rng)))
+        target.append(tokenizer.im_end_id)
+        mask = np.r_[np.zeros(len(prompt), bool), np.ones(len(target), bool)]
+        docs.append(Document(np.array(prompt + target, dtype=np.int32), mask, True))
     return docs
 
 

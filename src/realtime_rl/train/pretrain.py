@@ -43,7 +43,8 @@ from realtime_rl.environments import WarmPool
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.train.corpus import (
-    CORPUS_FORMAT, Document, build_documents, build_write_documents, shared_prefix_length, synthetic_tasks, tokenizer_texts,
+    CORPUS_FORMAT, Document, build_documents, build_followup_documents, build_write_documents, shared_prefix_length,
+    synthetic_tasks, tokenizer_texts,
 )
 
 MICRO_BATCH_TOKENS = 4096
@@ -51,7 +52,7 @@ MICRO_BATCH_TOKENS = 4096
 TOKENIZER_TASKS = 2000
 """Tasks whose rendered episodes train the tokenizer (more add no merges worth having)."""
 CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "episode_expert_fraction",
-                 "fix_rate", "question_fraction", "tokenizer")
+                 "fix_rate", "question_fraction", "followup_fraction", "tokenizer")
 RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
 """Fields that do not change the weights a run ends with."""
 
@@ -93,6 +94,9 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
                                config.seed)
     docs += build_write_documents(tasks[episodes:], tokenizer, config.expert_fraction, config.seed + 1,
                                   config.question_fraction)
+    followups = round(config.followup_fraction * (len(tasks) - episodes))
+    docs += build_followup_documents(tasks[episodes:episodes + followups], tokenizer, config.seed + 2,
+                                     config.question_fraction)
     staging = Path(tempfile.mkdtemp(dir=config.run_dir, prefix=".corpus-"))
     tokenizer.save(staging)
     lengths = np.array([len(d.token_ids) for d in docs])

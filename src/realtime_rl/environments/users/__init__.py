@@ -13,9 +13,9 @@ from realtime_rl.environments.users.model import (
 )
 from realtime_rl.environments.users.run import load_user_tasks, run_simulated_users
 from realtime_rl.environments.users.session import (
-    DelayedFeedback, FeedbackSender, SimulatedUser, Stats, wire_event,
+    DelayedFeedback, FeedbackSender, SimulatedUser, Stats, followup_messages, wire_event,
 )
 
 __all__ = ["Answer", "DelayedFeedback", "EditOutcome", "FeedbackSender", "PlannedEvent", "Reaction", "SimulatedUser",
-           "Stats", "UserProfile", "load_user_tasks", "make_users", "react", "read_answer", "run_simulated_users",
-           "style_violation", "wire_event"]
+           "Stats", "UserProfile", "followup_messages", "load_user_tasks", "make_users", "react", "read_answer",
+           "run_simulated_users", "style_violation", "wire_event"]

@@ -243,7 +243,7 @@ class SimulatedUser:
                 workspace.files = before
             if reaction.reply is None:
                 break
-            messages += self._followup(answer, results, reaction.reply)
+            messages += followup_messages(answer, results, reaction.reply)
         now = time.time()
         self.sender.send([wire_event(PlannedEvent("session_end"), user=user, session_id=session_id,
                                      completion_id=None, attributes=attributes, occurred_at=now)])
@@ -289,22 +289,23 @@ class SimulatedUser:
             if delay > 0:
                 self.delayed.schedule(now + delay, w)
 
-    @staticmethod
-    def _followup(answer: Answer, results: dict[str, ToolOutcome], reply: str) -> list[dict[str, Any]]:
-        """The assistant's message, a tool message per call, and the user's reply: as the answer to
-        ask_user when the assistant asked, else as a user message."""
-        assistant: dict[str, Any] = {"role": "assistant", "content": answer.content}
-        if answer.tool_calls:
-            assistant["tool_calls"] = [c.model_dump() for c in answer.tool_calls]
-        elif not answer.content:
-            assistant["content"] = ""
-        out = [assistant]
-        for call in answer.tool_calls:
-            content = reply if call.function.name == QUESTION_TOOL else results[call.id].content
-            out.append({"role": "tool", "tool_call_id": call.id, "content": content})
-        if answer.kind != "question":
-            out.append({"role": "user", "content": reply})
-        return out
+
+def followup_messages(answer: Answer, results: dict[str, ToolOutcome], reply: str) -> list[dict[str, Any]]:
+    """What a user appends to the conversation to ask for the next completion: the assistant's message, a tool
+    message per call, and the user's reply (as the answer to ask_user when the assistant asked, else as a
+    user message). The pre-training corpus builds its follow-up documents with it (train/corpus.py)."""
+    assistant: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.tool_calls:
+        assistant["tool_calls"] = [c.model_dump() for c in answer.tool_calls]
+    elif not answer.content:
+        assistant["content"] = ""
+    out = [assistant]
+    for call in answer.tool_calls:
+        content = reply if call.function.name == QUESTION_TOOL else results[call.id].content
+        out.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    if answer.kind != "question":
+        out.append({"role": "user", "content": reply})
+    return out
 
 
 def _path_of(call: ToolCall) -> str:
