@@ -224,23 +224,33 @@ class RealtimeLoop:
         window_end = time.time()
         t0 = time.perf_counter()
 
+        seconds: dict[str, float] = {}  # where the cycle's time after the window went
         report["registry"] = self._follow_registry()
 
         # 2. settle the rewards whose windows closed
+        lap = time.perf_counter()
         update = self.ledger.update(self.store, cfg.rewards, window_end)
         stats = self.ledger.stats()
         report["rewards"] = {"new_completions": update.completions, "settled": len(update.settled),
                              **asdict(stats), "rules": cfg.rewards.version}
+        seconds["settle"] = time.perf_counter() - lap
 
         # 3. judge the canary on this window's traffic
         if state.canary is not None:
+            lap = time.perf_counter()
             report["canary"] = self._judge_canary(window_end)
+            seconds["judge"] = time.perf_counter() - lap
 
         # 4-6. train, gate and deploy a candidate (one canary at a time)
         if state.canary is None:
+            lap = time.perf_counter()
             candidate = self._train(report, window_end)
+            seconds["train"] = time.perf_counter() - lap
             if candidate is not None:
+                lap = time.perf_counter()
                 report["gate"] = self._gate_and_deploy(candidate)
+                seconds["gate"] = time.perf_counter() - lap
+        report["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
 
         state.window_start = time.time()  # the next window opens now: a canary deployed above gets a whole one
         self._save()
