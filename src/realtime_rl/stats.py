@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from statsmodels.regression.linear_model import OLS
@@ -34,14 +35,15 @@ def cluster_robust(y: np.ndarray, X: np.ndarray, groups: np.ndarray, alpha: floa
         return None
     fit = OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": groups}, use_t=True)
     low, high = fit.conf_int(alpha)[-1]
-    return ClusteredFit(_finite((high - low) / 2), _finite(fit.pvalues[-1]))
+    return ClusteredFit(finite((high - low) / 2), finite(fit.pvalues[-1]))
 
 
-def one_sided(difference: float, p_two_sided: float, harmful: str) -> float:
+def one_sided(difference: float, p_two_sided: float, harmful: Literal["higher", "lower"]) -> float:
     """The one-sided p-value, in the `harmful` direction ("higher" or "lower"), of a symmetric two-sided test."""
     toward = difference > 0 if harmful == "higher" else difference < 0
     return p_two_sided / 2 if toward else 1 - p_two_sided / 2
 
 
-def _finite(x: float) -> float | None:
+def finite(x: float | None) -> float | None:
+    """x as a float, or None where it is missing, infinite or NaN."""
     return float(x) if x is not None and math.isfinite(float(x)) else None

@@ -13,8 +13,8 @@ and in report.html.
 from __future__ import annotations
 
 import itertools
-import time
 import threading
+import time
 import uuid
 
 import httpx
@@ -102,7 +102,7 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
             first = loop.run_cycle()
             assert not users.errors, users.errors
             assert first["train"]["on_policy"] >= 16 and first["gate"]["decision"] == "canary", first
-            assert set(first["seconds"]) == {"settle", "train", "gate"}  # where the time after the window went
+            assert set(first["seconds"]) == {"registry", "settle", "train", "gate"}  # where the time after the window went
             train = first["train"]  # the newest 24 train; the rest are passed over for good
             assert train["train/trajectories"] == min(24, train["on_policy"]) == train["on_policy"] - train["passed_over"]
             candidate = first["gate"]["version"]
@@ -119,7 +119,7 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
 
             second = loop.run_cycle()  # users kept the canary's edits, reverted the champion's
             assert second["canary"]["decision"] == "promote", second["canary"]["reason"]
-            assert set(second["seconds"]) == {"settle", "judge", "train", "gate"}
+            assert set(second["seconds"]) == {"registry", "settle", "judge", "train", "gate"}
             assert loop.registry.live().version == candidate
             assert loop.gateway.traffic()["arms"]["champion"]["version"] == candidate  # delta reached the gateway
 

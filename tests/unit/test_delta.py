@@ -172,6 +172,9 @@ def test_header_names_versions_dtypes_shapes():
     state = decode(encode_delta(new, relabelled), new)
     assert (state.version, state.policy_version, state.serves) == (9, 7, 7)
     assert decode(encode_snapshot(relabelled)).serves == 7
+    # A labelled blob is format 2 (a reader that cannot apply the label rejects it); unlabelled ones stay 1.
+    assert encode_delta(new, relabelled)[4:6] == (2).to_bytes(2, "little")
+    assert encode_delta(base, new)[4:6] == (1).to_bytes(2, "little")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from realtime_rl.environments.synthetic import structure_split
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
-    MemoryTask, build_followup_documents, build_write_documents, commented, renamed, shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
+    MemoryTask, build_followup_documents, build_write_documents, commented, renamed, shared_prefix_length,
+    synthetic_tasks, tokenizer_texts, without_docstring,
 )
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss, prefix_cache,
@@ -168,6 +169,7 @@ def test_followup_documents_are_the_second_turn_users_ask_for(tmp_path):
         reference = commented(task.reference_solution()[path], instructions=task.instructions)
         assert written == {"path": path, "content": reference}
     assert kinds == {"failed", "question"}
+
 
 def test_prefix_cached_loss_equals_the_full_sequence_loss(tmp_path):
     tasks = _tasks(tmp_path, 8)

@@ -239,13 +239,16 @@ def test_live_traffic_is_compared_with_the_user_as_the_unit():
     assert by_metric(hacked)["response_tokens"].test == "cluster-robust t (users), one-sided (mean)"
 
 
-def test_the_independent_tests_apply_without_users_or_without_variance():
+def test_the_independent_tests_apply_without_users_or_without_variance_and_one_user_decides_nothing():
     # Eval episodes carry no unit: Fisher's exact test, as before.
     assert by_metric(compare(sample(100, seed=20), sample(100, seed=21)))["question_rate"].test == \
         "Fisher exact, one-sided"
-    # One user per side: no cluster variance, so the independent test.
+    # One user per side: no cluster variance, so no verdict (counting their interactions as independent
+    # would judge that user's tasks, not the version).
     one = [replace(i, unit="solo") for i in sample(100, seed=22)]
-    assert by_metric(compare(one, one))["question_rate"].test == "Fisher exact, one-sided"
+    q = by_metric(compare(one, one))["question_rate"]
+    assert q.status == "insufficient_data" and "1 champion and 1 candidate users; 2 each are needed" in q.reason
+    assert not compare(one, [replace(i, unit="other") for i in sample(100, seed=23, question=0.9, edit=0.05)]).blocking
     # Every interaction alike within each side (0 broken calls vs all broken): Fisher's exact test decides.
     clean = [Interaction("edit", 0, 50, "1", False, unit=f"u{k % 6}") for k in range(60)]
     broken = [Interaction("malformed", 1, 50, "1", False, unit=f"v{k % 6}") for k in range(60)]

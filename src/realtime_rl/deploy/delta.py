@@ -10,7 +10,7 @@ A blob (all integers little-endian):
 
     offset  size  field
     0       4     magic b"RTWS"
-    4       2     format version (1)
+    4       2     format version (1; 2 when the header carries a policy_version)
     6       1     kind: 0 snapshot, 1 delta
     7       1     reserved, 0
     8       8     version (u64)
@@ -56,6 +56,9 @@ from realtime_rl.deploy import tensor_codec as tc
 
 MAGIC = b"RTWS"
 FORMAT_VERSION = 1
+FORMAT_LABELLED = 2
+"""Written when the header carries a policy_version, so that a reader too old to apply the label rejects the
+blob instead of stamping the store version on tokens."""
 SNAPSHOT, DELTA = 0, 1
 DIGEST_BYTES = 16
 _FIXED = struct.Struct("<4sHBBQQ16s16sI")
@@ -154,7 +157,8 @@ def _pack(kind: int, state: WeightState, base: WeightState | None, entries: list
     if state.policy_version is not None:
         meta["policy_version"] = state.policy_version
     header = zstandard.ZstdCompressor(level=19).compress(json.dumps(meta).encode())
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, kind, 0, state.version,
+    fmt = FORMAT_VERSION if state.policy_version is None else FORMAT_LABELLED
+    fixed = _FIXED.pack(MAGIC, fmt, kind, 0, state.version,
                         base.version if base is not None else state.version,
                         base.digest if base is not None else bytes(DIGEST_BYTES), state.digest, len(header))
     body = b"".join([fixed, header, *(state.digests[e[0]] for e in entries), *payloads])
@@ -200,8 +204,9 @@ def read_header(blob: bytes | memoryview) -> BlobHeader:
         _FIXED.unpack_from(blob)
     if magic != MAGIC:
         raise DeltaError(f"not a weight blob: magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if fmt_version != FORMAT_VERSION:
-        raise DeltaError(f"weight blob format {fmt_version}; this reader knows format {FORMAT_VERSION}")
+    if fmt_version not in (FORMAT_VERSION, FORMAT_LABELLED):
+        raise DeltaError(f"weight blob format {fmt_version}; this reader knows formats {FORMAT_VERSION} and "
+                         f"{FORMAT_LABELLED}")
     if hashlib.sha256(blob[:-DIGEST_BYTES]).digest()[:DIGEST_BYTES] != bytes(blob[-DIGEST_BYTES:]):
         raise DeltaError(f"weight blob for version {version} fails its checksum: "
                          "truncated or altered in transit")

@@ -22,8 +22,9 @@ version pruned or never written), longer than `max_chain`, or a blob is rejected
 from the newest snapshot and the deltas after it. Everything is decoded and verified beside the live
 weights; only a verified state is handed to `apply(state, version)` (the engine stages it and swaps
 between decode steps; `version` is the state's policy version, which is its store version unless the
-publisher labelled it otherwise, as a rollback does). A corrupt, truncated or out-of-order blob never reaches `apply`: poll raises
-WeightSyncError naming it, and the weights serving stay those of the last good version.
+publisher labelled it otherwise, as a rollback does). A corrupt, truncated or out-of-order blob never
+reaches `apply`: poll raises WeightSyncError naming it, and the weights serving stay those of the last
+good version.
 
 Not here: deciding what to deploy (the registry and gate), multi-node broadcast (NCCL).
 """

@@ -61,7 +61,6 @@ the first significant result inflates the false-positive rate; keep the number o
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,7 +74,7 @@ from statsmodels.stats.proportion import confint_proportions_2indep, proportion_
 
 from realtime_rl.collect import CompletionRecord, FeedbackEvent
 from realtime_rl.config.loop import ABConfig
-from realtime_rl.stats import cluster_robust
+from realtime_rl.stats import cluster_robust, finite
 
 ARMS = ("champion", "candidate")
 EDIT_EVENTS = {"edit_accepted", "edit_persisted", "edit_reverted"}
@@ -201,10 +200,6 @@ def _cell(e: Estimate, scale: float, digits: int, n: int | None = None, sign: bo
     return e.text(scale, digits, sign) + (f" (n={n})" if n is not None and e.value is not None else "")
 
 
-def _finite(x: Any) -> float | None:
-    return float(x) if x is not None and math.isfinite(float(x)) else None
-
-
 def _relative(champion: float | None, candidate: float | None) -> float | None:
     if champion is None or candidate is None or champion == 0:
         return None
@@ -255,7 +250,7 @@ def _rate(label: str, y: np.ndarray, is_candidate: np.ndarray, groups: np.ndarra
     for arm, mask in (("champion", ~is_candidate), ("candidate", is_candidate)):
         k, n = int(y[mask].sum()), int(mask.sum())
         low, high = proportion_confint(k, n, alpha=alpha, method="wilson") if n else (None, None)
-        arms[arm] = (k, n, Estimate(k / n if n else None, _finite(low), _finite(high)))
+        arms[arm] = (k, n, Estimate(k / n if n else None, finite(low), finite(high)))
     (k1, n1, _), (k0, n0, _) = arms["candidate"], arms["champion"]
     difference, p_value = Estimate(None), None
     if n1 and n0:
@@ -264,9 +259,9 @@ def _rate(label: str, y: np.ndarray, is_candidate: np.ndarray, groups: np.ndarra
         # (statsmodels also computes the ratio and odds ratio on the way, which divide by zero there.)
         with np.errstate(divide="ignore", invalid="ignore"):
             low, high = confint_proportions_2indep(k1, n1, k0, n0, method="newcomb", compare="diff", alpha=alpha)
-            p_value = _finite(test_proportions_2indep(k1, n1, k0, n0, value=0, method="agresti-caffo",
+            p_value = finite(test_proportions_2indep(k1, n1, k0, n0, value=0, method="agresti-caffo",
                                                       compare="diff").pvalue)
-        difference = Estimate(k1 / n1 - k0 / n0, _finite(low), _finite(high))
+        difference = Estimate(k1 / n1 - k0 / n0, finite(low), finite(high))
     champion, candidate = arms["champion"][2], arms["candidate"][2]
     return Comparison(label, "%", champion, candidate, difference, _relative(champion.value, candidate.value),
                       p_value, n0, n1, "Wilson; Newcombe")
@@ -317,13 +312,13 @@ def _cluster_bootstrap_p50(latency_s: np.ndarray, is_candidate: np.ndarray, grou
     for arm in medians:
         if clusters[arm] >= 2:
             ci = boot(medians[arm], clusters[arm])
-            arms[arm] = Estimate(arms[arm].value, _finite(ci.low), _finite(ci.high))
+            arms[arm] = Estimate(arms[arm].value, finite(ci.low), finite(ci.high))
     difference = Estimate(None)
     if len(clusters) == 2 and min(clusters.values()) >= 2:
         m1, m0 = medians["candidate"], medians["champion"]
         ci = boot(lambda a, b, axis: m1(a, axis) - m0(b, axis), clusters["candidate"], clusters["champion"])
         difference = Estimate(arms["candidate"].value - arms["champion"].value,
-                              _finite(ci.low), _finite(ci.high))
+                              finite(ci.low), finite(ci.high))
     return Comparison("latency p50 (s)", "s", arms["champion"], arms["candidate"], difference,
                       _relative(arms["champion"].value, arms["candidate"].value), None,
                       int((~is_candidate).sum()), int(is_candidate.sum()), "cluster bootstrap (users)")
@@ -339,9 +334,9 @@ def _latency(latency_s: np.ndarray, is_candidate: np.ndarray, groups: np.ndarray
     for arm, x in (("champion", latency_s[~is_candidate]), ("candidate", latency_s[is_candidate])):
         if len(x) >= 2:
             ci = stats.quantile_test(x, q=float(np.median(x)), p=0.5).confidence_interval(level)
-            p50[arm] = Estimate(float(np.median(x)), _finite(ci.low), _finite(ci.high))
+            p50[arm] = Estimate(float(np.median(x)), finite(ci.low), finite(ci.high))
             ci = stats.ttest_1samp(x, 0.0).confidence_interval(level)
-            mean[arm] = Estimate(float(np.mean(x)), _finite(ci.low), _finite(ci.high))
+            mean[arm] = Estimate(float(np.mean(x)), finite(ci.low), finite(ci.high))
         else:
             p50[arm] = mean[arm] = Estimate(float(x[0]) if len(x) else None)
     x1, x0 = latency_s[is_candidate], latency_s[~is_candidate]
@@ -350,12 +345,12 @@ def _latency(latency_s: np.ndarray, is_candidate: np.ndarray, groups: np.ndarray
         boot = stats.bootstrap((x1, x0), lambda a, b, axis: np.median(a, axis=axis) - np.median(b, axis=axis),
                                n_resamples=config.bootstrap_resamples, confidence_level=level, method="percentile",
                                vectorized=True, batch=200, rng=np.random.default_rng(config.seed))
-        p50_diff = Estimate(float(np.median(x1) - np.median(x0)), _finite(boot.confidence_interval.low),
-                            _finite(boot.confidence_interval.high))
+        p50_diff = Estimate(float(np.median(x1) - np.median(x0)), finite(boot.confidence_interval.low),
+                            finite(boot.confidence_interval.high))
         welch = stats.ttest_ind(x1, x0, equal_var=False)
         ci = welch.confidence_interval(level)
-        mean_diff = Estimate(float(np.mean(x1) - np.mean(x0)), _finite(ci.low), _finite(ci.high))
-        mean_p = _finite(welch.pvalue)
+        mean_diff = Estimate(float(np.mean(x1) - np.mean(x0)), finite(ci.low), finite(ci.high))
+        mean_p = finite(welch.pvalue)
     n0, n1 = len(x0), len(x1)
     return (Comparison("latency p50 (s)", "s", p50["champion"], p50["candidate"], p50_diff,
                        _relative(p50["champion"].value, p50["candidate"].value), None, n0, n1,

@@ -25,12 +25,14 @@ Tests. Live traffic is randomised by user and one user's interactions are correl
 tasks are hard gets many questions), so where interactions name their user (`Interaction.unit`: the
 request's user, else its session) and each side has two users or more, a rate or the mean length is
 compared by OLS of the outcome on the arm with standard errors clustered by user (CR1, t with G - 1
-df, as the A/B analysis; `MonitorConfig.cluster = "users"`, the default), one-sided. Interactions
-without a unit (eval episodes, each its own task) are independent: rates use Fisher's exact test (valid
-at any count, zeros included), length the Mann-Whitney U test; so do `cluster = "none"`, sides of one
-user, and rates with no variance within either side (every interaction alike: the clustered fit is
-degenerate, Fisher's test is exact). A monitor needs `min_samples` records on each side (else "insufficient data",
-which is not "ok" and does not block by itself) and alarms only when its Holm-adjusted p-value
+df, as the A/B analysis; `MonitorConfig.cluster = "users"`, the default), one-sided; a side with one
+user has no cluster variance and reports insufficient data. Interactions without a unit (eval
+episodes, each its own task) are independent: rates use Fisher's exact test (valid at any count, zeros
+included), length the Mann-Whitney U test; so do `cluster = "none"` and rates with no variance within
+either side (every interaction alike: the clustered fit is degenerate, Fisher's test is exact).
+
+A monitor needs `min_samples` records on each side (else "insufficient data", which is not "ok" and
+does not block by itself) and alarms only when its Holm-adjusted p-value
 (family-wise alpha across the report's monitors) is below alpha AND the change is at least the
 minimum effect (an absolute rate change, or a length ratio): a significant but negligible change is
 not a hack.
@@ -166,12 +168,15 @@ class MonitorReport:
                 "results": [asdict(r) for r in self.results]}
 
 
+Harm = Literal["higher", "lower"]
+
+
 @dataclass
 class _Rate:
     name: str
     label: str
     has: Callable[[Interaction], bool | None]
-    harmful: Literal["higher", "lower"]
+    harmful: Harm
     by_difficulty: bool
 
 
@@ -191,21 +196,28 @@ CLUSTERED = "cluster-robust t (users), one-sided"
 
 
 def _clustered_p(a: np.ndarray, b: np.ndarray, units_a: list[str | None], units_b: list[str | None],
-                 harmful: str, config: MonitorConfig) -> float | None:
-    """One-sided p of mean(b) - mean(a) by OLS clustered by unit, or None where the independent test applies:
-    cluster="none", no interaction names a unit, a side with fewer than two units, or no variance."""
+                 harmful: Harm, config: MonitorConfig) -> float | str | None:
+    """One-sided p of mean(b) - mean(a) by OLS clustered by unit; None where the independent test applies
+    (cluster="none", no interaction names a unit, or no variance within either side: Fisher's test is then
+    exact); a reason string where a side has fewer than two units (no cluster variance: insufficient data)."""
     if config.cluster == "none" or all(u is None for u in (*units_a, *units_b)):
         return None
     # An interaction without a unit is a cluster of its own.
     units = [u if u is not None else f"#{k}" for k, u in enumerate((*units_a, *units_b))]
-    if min(len(set(units[:len(a)])), len(set(units[len(a):]))) < 2:
-        return None
+    counts = len(set(units[:len(a)])), len(set(units[len(a):]))
+    if min(counts) < 2:
+        return f"{counts[0]} champion and {counts[1]} candidate users; 2 each are needed"
     y = np.concatenate([a, b]).astype(float)
     X = np.column_stack([np.ones(len(y)), np.r_[np.zeros(len(a)), np.ones(len(b))]])
     fit = cluster_robust(y, X, np.unique(units, return_inverse=True)[1], alpha=config.alpha)
     if fit is None or fit.p_value is None:
         return None
     return one_sided(float(b.mean() - a.mean()), fit.p_value, harmful)
+
+
+def _insufficient(result: MonitorResult, reason: str) -> tuple[MonitorResult, float]:
+    result.status, result.reason = "insufficient_data", reason
+    return result, 0.0
 
 
 def _rate_monitor(rate: _Rate, metric: str, champion: Sequence[Interaction], candidate: Sequence[Interaction],
@@ -217,12 +229,12 @@ def _rate_monitor(rate: _Rate, metric: str, champion: Sequence[Interaction], can
     result = MonitorResult(metric, "ok", ca / len(a) if a else None, cb / len(b) if b else None, ca, len(a), cb,
                            len(b), "Fisher exact, one-sided")
     if min(len(a), len(b)) < config.min_samples:
-        result.status = "insufficient_data"
-        result.reason = (f"{rate.label}: {len(a)} champion and {len(b)} candidate records; "
-                         f"{config.min_samples} each are needed")
-        return result, 0.0
+        return _insufficient(result, f"{rate.label}: {len(a)} champion and {len(b)} candidate records; "
+                                     f"{config.min_samples} each are needed")
     p = _clustered_p(np.array([v for v, _ in a]), np.array([v for v, _ in b]), [u for _, u in a], [u for _, u in b],
                      rate.harmful, config)
+    if isinstance(p, str):
+        return _insufficient(result, f"{rate.label}: {p}")
     if p is not None:
         result.p_value, result.test = p, CLUSTERED
     else:
@@ -240,11 +252,11 @@ def _length_monitor(champion: Sequence[Interaction], candidate: Sequence[Interac
     result = MonitorResult("response_tokens", "ok", float(a.mean()) if len(a) else None,
                            float(b.mean()) if len(b) else None, 0, len(a), 0, len(b), "Mann-Whitney U, one-sided")
     if min(len(a), len(b)) < config.min_samples:
-        result.status = "insufficient_data"
-        result.reason = (f"response length: {len(a)} champion and {len(b)} candidate records; "
-                         f"{config.min_samples} each are needed")
-        return result, 0.0
+        return _insufficient(result, f"response length: {len(a)} champion and {len(b)} candidate records; "
+                                     f"{config.min_samples} each are needed")
     p = _clustered_p(a, b, [i.unit for i in champion], [i.unit for i in candidate], "higher", config)
+    if isinstance(p, str):
+        return _insufficient(result, f"response length: {p}")
     if p is not None:
         result.test = CLUSTERED + " (mean)"
     else:

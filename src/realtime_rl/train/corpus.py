@@ -44,6 +44,7 @@ from realtime_rl.environments.policies import ScriptedPolicy
 from realtime_rl.environments.synthetic_ops import NAME_STYLES, OPS
 from realtime_rl.environments.tasks import Task
 from realtime_rl.environments.tools import QUESTION_TOOL, TOOL_SCHEMAS, Tools, Workspace
+from realtime_rl.environments.users import EditOutcome, UserProfile, followup_messages, react, read_answer
 from realtime_rl.model import Tokenizer, parse_assistant, render_messages
 
 CORPUS_FORMAT = 3
@@ -250,8 +251,6 @@ def build_followup_documents(tasks: list[Task], tokenizer: Tokenizer, seed: int,
     """One second-turn document per task (see the module docstring): the prompt is rendered as the gateway
     renders the follow-up request (render_messages with the generation prompt), the target is the reference
     write_file and the stop token. A task without novice variants gets the question path."""
-    from realtime_rl.environments.users import EditOutcome, UserProfile, followup_messages, react, read_answer
-
     rng = random.Random(seed)
     user = UserProfile(user_id="corpus", preference="none", patience=2, think_time_s=(0.0, 0.0),
                        persist_window_s=1.0, p_style_revert=0.0, p_malformed_complaint=1.0, followup_on_failure=True)
@@ -269,7 +268,8 @@ def build_followup_documents(tasks: list[Task], tokenizer: Tokenizer, seed: int,
                    if c.function.name != QUESTION_TOOL}
         outcome = EditOutcome(False, rng.randint(1, 3), 0, None) if answer.kind == "edit" else None
         reaction = react(user, answer, outcome, task, turns_left=1, rng=rng)
-        messages = first_turn_messages(task) + followup_messages(answer, results, reaction.reply or "")
+        assert reaction.reply is not None, "a user with turns left follows up a failed edit and a question"
+        messages = first_turn_messages(task) + followup_messages(answer, results, reaction.reply)
         prompt = tokenizer.encode(render_messages(messages, TOOL_SCHEMAS, add_generation_prompt=True))
         target = tokenizer.encode(_call("write_file", path=path, content=_solution(task, True, rng)))
         target.append(tokenizer.im_end_id)

@@ -74,7 +74,7 @@ def config_hash(config: PretrainConfig) -> str:
 
 
 def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
-    """Tokenizer + documents (episodes, then first-turn documents), cached under
+    """Tokenizer + documents (episodes, then first-turn, then follow-up documents), cached under
     run_dir/corpus-<hash of the corpus settings>."""
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     cache = Path(config.run_dir) / f"corpus-{_corpus_key(config)}"
