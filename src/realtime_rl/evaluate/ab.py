@@ -74,7 +74,7 @@ from statsmodels.stats.proportion import confint_proportions_2indep, proportion_
 
 from realtime_rl.collect import CompletionRecord, FeedbackEvent
 from realtime_rl.config.loop import ABConfig
-from realtime_rl.stats import cluster_robust, finite
+from realtime_rl.rewards.stats import cluster_robust, finite
 
 ARMS = ("champion", "candidate")
 EDIT_EVENTS = {"edit_accepted", "edit_persisted", "edit_reverted"}

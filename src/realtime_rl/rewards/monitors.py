@@ -57,7 +57,7 @@ from realtime_rl.config.rewards import MonitorConfig
 from realtime_rl.rewards.actions import Action
 from realtime_rl.rewards.replay import Traffic
 from realtime_rl.rewards.rules import items_from_completion
-from realtime_rl.stats import cluster_robust, one_sided
+from realtime_rl.rewards.stats import cluster_robust, one_sided
 from realtime_rl.types import Episode
 
 Status = Literal["alarm", "ok", "insufficient_data"]

@@ -1,4 +1,4 @@
-"""Statistics shared by the A/B analysis (evaluate.ab) and the reward-hacking monitors (rewards.monitors).
+"""Statistics shared by the reward-hacking monitors (rewards.monitors) and the A/B analysis (evaluate.ab).
 
     fit = cluster_robust(y, np.column_stack([np.ones(n), is_candidate]), groups, alpha=0.05)
     fit.half_width, fit.p_value          # of the last coefficient: the candidate-minus-champion difference
