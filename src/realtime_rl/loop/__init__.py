@@ -5,6 +5,8 @@
     write_report(run_dir)           # report.html: per-cycle decisions, A/B tables and plots
 """
 
-from realtime_rl.loop.cycle import GatewayClient, LoopState, RealtimeLoop
+from realtime_rl.loop.cycle import RealtimeLoop
+from realtime_rl.loop.gateway import GatewayClient
+from realtime_rl.loop.state import LoopState
 
 __all__ = ["GatewayClient", "LoopState", "RealtimeLoop"]

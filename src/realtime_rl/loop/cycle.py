@@ -37,11 +37,10 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from rich.console import Console
 
@@ -50,6 +49,8 @@ from realtime_rl.config import LoopConfig, PretrainConfig
 from realtime_rl.deploy import DataWindow, FilesystemTransport, PolicyVersion, Registry, WeightPublisher
 from realtime_rl.environments import generate_tasks, load_tasks
 from realtime_rl.evaluate import EpisodeOutcome, ab_records, analyze, decide, evaluate_checkpoint
+from realtime_rl.loop.gateway import GatewayClient
+from realtime_rl.loop.state import LoopState
 from realtime_rl.model import load_checkpoint, save_checkpoint
 from realtime_rl.monitor import JsonlSink
 from realtime_rl.rewards import (
@@ -59,60 +60,6 @@ from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
 
 EVAL_SCHEMA = 2
 """Version of the cached evaluation outcomes (2: each carries its first reply's action)."""
-
-
-class GatewayClient:
-    """The loop's calls to the gateway's admin API; every call has a timeout and fails loudly."""
-
-    def __init__(self, url: str, admin_key: str | None, timeout_s: float,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
-
-    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        try:
-            r = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as e:
-            raise RuntimeError(f"gateway {self.http.base_url}: {method} {path} failed: {e}") from e
-        if r.status_code != 200:
-            raise RuntimeError(f"gateway {self.http.base_url}: {method} {path} answered {r.status_code}: {r.text[:300]}")
-        return r.json()
-
-    def traffic(self) -> dict[str, Any]:
-        return self._call("GET", "/v1/admin/traffic")
-
-    def set_candidate_fraction(self, fraction: float, salt: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"candidate_fraction": fraction}
-        if salt is not None:
-            body["salt"] = salt
-        return self._call("PUT", "/v1/admin/traffic", json=body)
-
-    def close(self) -> None:
-        self.http.close()
-
-
-@dataclass
-class LoopState:
-    """What a restarted loop needs besides the registry and the ledger (state.json, written atomically)."""
-
-    cycle: int = 0
-    window_start: float | None = None
-    """When the current collection window opened."""
-    canary: int | None = None
-    """The version serving as canary, if any."""
-    canary_since: float | None = None
-    canary_cycles: int = 0
-    trained_through: int = 0
-    """The ledger's settle_seq up to which settled rewards were considered for training."""
-
-    @classmethod
-    def load(cls, path: Path) -> LoopState:
-        return cls(**json.loads(path.read_text())) if path.is_file() else cls()
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
