@@ -74,11 +74,54 @@ def test_router_replay_is_what_the_trainer_uses(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     engine.update_weights(trainer.weights(), 0)
     seg = _episodes(engine, 0)[0].segments[0]
-    ids, mask, behav, _, _, routing = trainer._batch([(seg, 1.0)])
-    replayed, _ = trainer._forward(ids, routing)
-    torch.testing.assert_close(replayed[mask[:, 1:]], behav[:, 1:][mask[:, 1:]], atol=1e-5, rtol=0)
-    shuffled, _ = trainer._forward(ids, (routing + 1) % model.config.num_experts)
+    batch = trainer._batch([(seg, 1.0)])
+    replayed, _ = trainer._logprobs(batch)
+    torch.testing.assert_close(replayed, batch.behaviour, atol=1e-5, rtol=0)
+    batch.routing_BTLK = (batch.routing_BTLK + 1) % model.config.num_experts
+    shuffled, _ = trainer._logprobs(batch)
     assert (shuffled - replayed).abs().max() > 1e-3
+
+
+def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_rows(tmp_path):
+    model = _model()
+    trainer = RLTrainer(model, None, RLConfig(), tmp_path)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    engine.update_weights(trainer.weights(), 0)
+    prompt = list(range(40, 60))
+    [req] = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, n=4, seed=3, ignore_eos=True))
+    micro = []
+    for s in req.samples:
+        k = 3 + s.index  # rows of different lengths: the suffixes are right-padded
+        n = len(prompt)
+        micro.append((Segment(
+            token_ids=np.array(prompt + s.token_ids[:k], dtype=np.int32),
+            loss_mask=np.array([False] * n + [True] * k),
+            logprobs=np.array([0.0] * n + s.logprobs[:k], dtype=np.float32),
+            versions=np.array([-1] * n + s.versions[:k], dtype=np.int32),
+            routing=np.concatenate([s.routing[: n + k - 1], np.zeros_like(s.routing[:1])])), 1.0 - 0.5 * s.index))
+
+    def run(batches):
+        model.zero_grad()
+        lps = []
+        for batch in batches:
+            lp, _ = trainer._logprobs(batch)
+            (lp * batch.advantages).sum().backward()
+            lps.append(lp.detach())
+        return torch.cat(lps), [p.grad.clone() for p in model.parameters()]
+
+    shared = trainer._batch(micro)
+    assert shared.prefix == len(prompt) - 1  # the prompt but its last token, which predicts a trained one
+    separate = [trainer._batch([it]) for it in micro]
+    assert all(b.prefix == 0 for b in separate)
+    lp_shared, grads_shared = run([shared])
+    lp_separate, grads_separate = run(separate)
+    torch.testing.assert_close(lp_shared, lp_separate, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp_shared, shared.behaviour, atol=1e-5, rtol=0)  # the engine's, under replay
+    for g, h in zip(grads_shared, grads_separate):
+        torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-3)  # float summation order only
+
+    micro[2][0].routing[7, 0] = (micro[2][0].routing[7, 0] + 1) % model.config.num_experts
+    assert trainer._batch(micro).prefix == 7  # where the recorded routing differs, rows stop sharing
 
 
 def test_each_segment_trains_with_the_episode_advantage(tmp_path):

@@ -35,9 +35,9 @@ def test_a_recorded_completion_is_the_trainers_exact_view(tmp_path, tokenizer):
     assert len(seg.token_ids) == P + G and seg.loss_mask.sum() == G and not seg.loss_mask[:P].any()
     assert (seg.versions[P:] == 0).all() and (seg.versions[:P] == -1).all()
     trainer = RLTrainer(model, None, RLConfig(), tmp_path / "train")
-    ids, mask, behav, _, _, routing = trainer._batch([(seg, 1.0)])
-    replayed, _ = trainer._forward(ids, routing)
-    torch.testing.assert_close(replayed[mask[:, 1:]], behav[:, 1:][mask[:, 1:]], atol=1e-5, rtol=0)
+    batch = trainer._batch([(seg, 1.0)])
+    replayed, _ = trainer._logprobs(batch)
+    torch.testing.assert_close(replayed, batch.behaviour, atol=1e-5, rtol=0)
     episode = traffic_episode(record, 0, reward=0.5, group_id="cycle-1")
     assert episode.task_id == "t-1" and episode.metadata["difficulty"] == "2" and episode.reward == 0.5
     assert request_metadata(record) == {"task_id": "t-1", "difficulty": "2"}

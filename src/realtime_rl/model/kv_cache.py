@@ -4,7 +4,8 @@ Slot `s` holds the keys and values of one sequence at positions 0..S-1, head-maj
 position, dim]), so the prefix a decode step reads is one contiguous block per slot and head: attention
 runs on it in place, without a transposed copy. A forward writes its new
 keys/values at the given positions of the given slots and reads back each row's prefix up to the
-longest position in the batch (`begin` once per forward, then `CacheStep.update` per layer); attention masks out keys past each query's own position, so rows of
+longest position in the batch (`begin` once per forward, then `CacheStep.update` per layer); attention
+masks out keys past each query's own position, so rows of
 different lengths share one batched decode step. Freeing a slot is free: the next sequence that gets
 it overwrites positions from 0 and never attends past its own position.
 
@@ -14,6 +15,7 @@ Not here: paging, prefix sharing between slots (the engine copies a prefix with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -62,6 +64,15 @@ class KVCache:
         for k_cache, v_cache in zip(self.k_LSHPD, self.v_LSHPD):
             k_cache[dst_slot, :, :length] = k_cache[src_slot, :, :length]
             v_cache[dst_slot, :, :length] = v_cache[src_slot, :, :length]
+
+
+class KVStep(Protocol):
+    """What attention needs from a forward that reads keys/values beyond its own input positions."""
+
+    mask_B1TS: torch.Tensor
+
+    def update(self, layer_idx: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass

@@ -3,10 +3,11 @@
 Numerics follow transformers' Qwen3 exactly where it matters for parity: RMSNorm in fp32 then cast
 back, QK-norm per head before RoPE, rotate-half RoPE with cos/sin computed in fp32.
 
-Attention has two modes. Full-sequence (`kv_cache=None`): each batch row is one sequence, causal by
-index; this is what the trainer uses. Cached (a `CacheStep` given): the new keys/values are written into
-the cache at `positions` of the rows' slots, and each query attends to every cached key at a
-position <= its own; this serves prefill, decode and ragged batches alike (the engine uses it).
+Attention has two modes. Full-sequence (no step): each batch row is one sequence, causal by index.
+With a `KVStep`, the step sees the new keys/values and hands back what the queries attend to, with its
+mask: the engine's `CacheStep` writes them into the KV cache at `positions` of the rows' slots and reads
+each row's prefix back (prefill, decode and ragged batches alike); the trainer's `SharedPrefix` puts one
+prefix, computed once, before every row's own keys.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from realtime_rl.config import ModelConfig
-from realtime_rl.model.kv_cache import CacheStep
+from realtime_rl.model.kv_cache import KVStep
 
 
 class RMSNorm(nn.Module):
@@ -81,7 +82,7 @@ class Attention(nn.Module):
         self,
         x_BTC: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        cache_step: CacheStep | None,
+        cache_step: KVStep | None,
     ) -> torch.Tensor:
         B, T, _ = x_BTC.shape
         q_BHTD = self.q_norm(self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)

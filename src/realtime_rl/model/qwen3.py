@@ -6,6 +6,7 @@
     cache = KVCache(model.config, num_slots=4, max_seq_len=512)
     out = model(ids_BT, pos_BT, kv_cache=cache, cache_slots=slots_B)  # prefill / decode (engine)
     out = model(ids_BT, pos_BT, replay_routing=out.routing_BTLK)      # forced routing (R3)
+    hidden_BTC, routing = model.hidden_states(ids_BT)                 # without the LM head (trainer)
 
 Module and parameter names mirror transformers' `Qwen3ForCausalLM`/`Qwen3MoeForCausalLM`, so the
 state dict maps to a Hub checkpoint one to one (expert tensors aside: see moe.py).
@@ -22,9 +23,10 @@ import torch
 from torch import nn
 
 from realtime_rl.config import ModelConfig
-from realtime_rl.model.kv_cache import CacheStep, KVCache
+from realtime_rl.model.kv_cache import KVCache, KVStep
 from realtime_rl.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from realtime_rl.model.moe import SparseMoeBlock
+from realtime_rl.model.shared_prefix import SharedPrefix
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -55,7 +57,7 @@ class DecoderLayer(nn.Module):
         self,
         x_BTC: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        cache_step: CacheStep | None,
+        cache_step: KVStep | None,
         replay_BTK: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x_BTC = x_BTC + self.self_attn(self.input_layernorm(x_BTC), cos_sin, cache_step)
@@ -117,9 +119,31 @@ class Qwen3ForCausalLM(nn.Module):
         cache_slots: the KV-cache slot of each row, a LongTensor [B] or a slice of consecutive slots.
         cache_length: the cached prefix the rows read (default: the largest position + 1).
         """
+        hidden_BTC, routing = self.hidden_states(
+            input_ids_BT, positions_BT, kv_cache=kv_cache, cache_slots=cache_slots, capture_routing=capture_routing,
+            replay_routing=replay_routing, cache_length=cache_length)
+        return ModelOutput(self.lm_head(hidden_BTC), routing)
+
+    def hidden_states(
+        self,
+        input_ids_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        cache_slots: torch.Tensor | slice | None = None,
+        capture_routing: bool = False,
+        replay_routing: torch.Tensor | None = None,
+        cache_length: int | None = None,
+        shared_prefix: SharedPrefix | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final (normed) hidden state of every position, and the routing: `forward` without the LM head.
+
+        The trainer applies the head only where a token is trained. shared_prefix: the first call over one
+        row records the keys/values of a prefix; later calls over many rows continue it (see shared_prefix.py).
+        """
         B, T = input_ids_BT.shape
         if positions_BT is None:
-            if kv_cache is not None:
+            if kv_cache is not None or (shared_prefix is not None and shared_prefix.length is not None):
                 raise ValueError("cached forward needs explicit positions")
             positions_BT = torch.arange(T, device=input_ids_BT.device).expand(B, T)
         if replay_routing is not None and replay_routing.shape[:3] != (B, T, self.num_moe_layers):
@@ -133,6 +157,8 @@ class Qwen3ForCausalLM(nn.Module):
         if kv_cache is not None:
             assert cache_slots is not None, "cached forward needs cache_slots"
             cache_step = kv_cache.begin(cache_slots, positions_BT, cache_length)
+        elif shared_prefix is not None:
+            cache_step = shared_prefix.begin(positions_BT)
         captured: list[torch.Tensor] = []
         moe_i = 0
         for layer in self.model.layers:
@@ -144,11 +170,10 @@ class Qwen3ForCausalLM(nn.Module):
                 moe_i += 1
                 if capture_routing:
                     captured.append(experts_BTK)
-        logits_BTV = self.lm_head(self.model.norm(x_BTC))
         routing = None
         if capture_routing and captured:
             routing = torch.stack(captured, dim=2).to(routing_dtype(self.config.num_experts))
-        return ModelOutput(logits_BTV, routing)
+        return self.model.norm(x_BTC), routing
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

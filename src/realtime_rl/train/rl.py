@@ -8,9 +8,12 @@
 A step, top to bottom: advantages per group (episodes sharing a group_id); every segment of an
 episode becomes its own training sequence carrying the episode's advantage (self-summarised episodes
 train each context window separately); segments are packed into micro-batches of at most
-`micro_batch_tokens` padded tokens; each micro-batch runs one full-sequence forward that replays
-the routing the engine recorded (so training sees the experts inference used), the loss of losses.py
-on the generated tokens, and a backward; then one clipped AdamW step. The proximal policy is the
+`micro_batch_tokens` computed positions; each micro-batch runs one forward that replays the routing the
+engine recorded (so training sees the experts inference used), the loss of losses.py on the generated
+tokens, and a backward; then one clipped AdamW step. The leading tokens a micro-batch's rows share (the
+system prompt and tool schemas every reply of the live loop starts with, with the same recorded routing)
+run once, with grad, and every row attends to them (model/shared_prefix.py): the gradient is that of the
+separate rows. The LM head and softmax run only where a token is trained. The proximal policy is the
 current weights: with one minibatch and one epoch it equals the policy being optimised at the
 forward, so no extra pass is needed; otherwise a no-grad pass computes it first.
 
@@ -26,6 +29,7 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,7 @@ import torch
 
 from realtime_rl.config import RLConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, routing_dtype, save_checkpoint
+from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, policy_loss
 from realtime_rl.types import Episode, Segment
 
@@ -54,16 +59,55 @@ def staleness(episode: Episode, version: int) -> int:
     return version - oldest
 
 
+def _first_target(seg: Segment) -> int:
+    """Index of the first trained token (>= 1: a token is trained as the target of the one before it)."""
+    return 1 + int(np.argmax(seg.loss_mask[1:]))
+
+
+def _shared_inputs(a: Segment, b: Segment) -> int:
+    """How many leading input positions two segments share: equal tokens, none of them predicting a trained one
+    (input position i predicts token i + 1)."""
+    n = min(_first_target(a), _first_target(b)) - 1
+    differ = np.flatnonzero(a.token_ids[:n] != b.token_ids[:n])
+    return int(differ[0]) if len(differ) else n
+
+
 def _micro_batches(items: list[tuple[Segment, float]], max_tokens: int) -> list[list[tuple[Segment, float]]]:
-    """Pack segments (longest first) so that rows x longest row <= max_tokens, one row at least."""
+    """Pack segments (longest first) so that a micro-batch's shared prefix plus its rows' padded suffixes
+    stays within max_tokens, one row at least."""
     items = sorted(items, key=lambda it: -len(it[0].token_ids))
     batches: list[list[tuple[Segment, float]]] = []
+    shared = 0
     for it in items:
-        if batches and len(batches[-1][0][0].token_ids) * (len(batches[-1]) + 1) <= max_tokens:
-            batches[-1].append(it)
-        else:
-            batches.append([it])
+        if batches:
+            head = batches[-1][0][0]
+            p = _shared_inputs(head, it[0]) if len(batches[-1]) == 1 else min(shared, _shared_inputs(head, it[0]))
+            if p + (len(batches[-1]) + 1) * (len(head.token_ids) - p) <= max_tokens:
+                batches[-1].append(it)
+                shared = p
+                continue
+        batches.append([it])
     return batches
+
+
+@dataclass
+class _MicroBatch:
+    """A micro-batch's inputs, and its trained targets flattened row by row ([N] each)."""
+
+    ids_BT: torch.Tensor
+    """Right-padded inputs: every token but each row's last."""
+    routing_BTLK: torch.Tensor | None
+    prefix: int
+    """Leading input positions every row shares (computed once)."""
+    where_BT: torch.Tensor
+    """The input positions (from `prefix` on) whose next token is trained."""
+    targets: torch.Tensor
+    behaviour: torch.Tensor
+    advantages: torch.Tensor
+    fresh: torch.Tensor
+    """The token's row was generated entirely by the trainer's current version."""
+    rows: list[int]
+    """Trained targets per row."""
 
 
 class RLTrainer:
@@ -187,6 +231,7 @@ class RLTrainer:
         totals: dict[str, float] = defaultdict(float)
         mismatch = {"tokens": 0, "k3": 0.0, "max": 0.0}  # over tokens of the current version, first pass only
         num_updates = 0
+        positions = {"computed": 0, "padded": 0}  # input positions through the model: run, and in padded rows
         for epoch in range(cfg.ppo_epochs):
             for mb in range(cfg.minibatches):
                 chosen = order[mb :: cfg.minibatches]
@@ -195,7 +240,9 @@ class RLTrainer:
                 num_tokens = sum(items[i][0].num_generated for i in chosen)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in _micro_batches([(items[i][0], items[i][1]) for i in chosen], cfg.micro_batch_tokens):
-                    sums, fresh = self._micro_step(micro, num_tokens, prox)
+                    sums, fresh, computed = self._micro_step(micro, num_tokens, prox)
+                    positions["computed"] += computed
+                    positions["padded"] += len(micro) * (max(len(s.token_ids) for s, _ in micro) - 1)
                     for k, v in sums.items():
                         totals[k] += v / num_tokens
                     if epoch == 0:  # the proximal logprobs are those of the weights at the step start
@@ -214,88 +261,100 @@ class RLTrainer:
             # with R3 in fp32 this is numerical noise; staleness shows in offpolicy_k3 instead.
             out["train/mismatch_k3"] = mismatch["k3"] / mismatch["tokens"]
             out["train/mismatch_max_abs_logprob_diff"] = mismatch["max"]
+        # What the shared prefixes saved: input positions run through the model in one pass, against padded rows.
+        out["train/forward_token_fraction"] = positions["computed"] / positions["padded"]
         out["train/fresh_token_fraction"] = mismatch["tokens"] / sum(s.num_generated for s, _ in items)
         return out
 
-    def _batch(self, micro: list[tuple[Segment, float]]) -> tuple[torch.Tensor, ...]:
-        """Right-padded [B, T] ids, loss mask (of targets), behaviour logprobs, advantages, versions, routing."""
-        B, T = len(micro), max(len(s.token_ids) for s, _ in micro)
+    def _batch(self, micro: list[tuple[Segment, float]]) -> _MicroBatch:
+        B, T = len(micro), max(len(s.token_ids) for s, _ in micro) - 1
         ids = torch.zeros((B, T), dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.bool)
-        behav = torch.zeros((B, T), dtype=torch.float32)
-        adv = torch.zeros((B, T), dtype=torch.float32)
-        versions = torch.full((B, T), -1, dtype=torch.long)
+        where = torch.zeros((B, T), dtype=torch.bool)
         routing = None
         if self.config.router_replay and self.model.num_moe_layers and micro[0][0].routing is not None:
             L, k = micro[0][0].routing.shape[1:]
             routing = torch.zeros((B, T, L, k), dtype=self._route_dtype)
+        targets, behaviour, advantages, fresh, rows = [], [], [], [], []
         for b, (seg, a) in enumerate(micro):
-            n = len(seg.token_ids)
-            ids[b, :n] = torch.from_numpy(seg.token_ids.astype(np.int64))
-            mask[b, :n] = torch.from_numpy(seg.loss_mask)
-            behav[b, :n] = torch.from_numpy(seg.logprobs.astype(np.float32))
-            adv[b, :n] = a
-            versions[b, :n] = torch.from_numpy(seg.versions.astype(np.int64))
+            n = len(seg.token_ids) - 1
+            trained = seg.loss_mask[1:]
+            ids[b, :n] = torch.from_numpy(seg.token_ids[:-1].astype(np.int64))
+            where[b, :n] = torch.from_numpy(trained)
             if routing is not None:
                 if seg.routing is None:
                     raise ValueError("router replay is on but a segment has no recorded routing")
-                routing[b, :n] = torch.from_numpy(seg.routing.astype(np.int64)).to(self._route_dtype)
-        return ids, mask, behav, adv, versions, routing
-
-    def _forward(self, ids: torch.Tensor, routing: torch.Tensor | None, model: Qwen3ForCausalLM | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprob of ids[:, 1:] [B, T-1], logits [B, T-1, V]) from one full-sequence forward."""
-        model = model or self.model
-        replay = routing[:, :-1] if routing is not None else None
-        logits = model(ids[:, :-1], replay_routing=replay).logits_BTV.float()
-        logp = torch.log_softmax(logits, dim=-1)
-        return logp.gather(-1, ids[:, 1:, None])[..., 0], logp
-
-    @torch.no_grad()
-    def _logprobs_no_grad(self, items: list[tuple[Segment, float]]) -> dict[int, torch.Tensor]:
-        """Proximal logprobs (current weights) of each segment's tokens, keyed by id(segment)."""
-        out = {}
-        for micro in _micro_batches(items, self.config.micro_batch_tokens):
-            ids, *_, routing = self._batch(micro)
-            lp, _ = self._forward(ids, routing)
-            for b, (seg, _) in enumerate(micro):
-                out[id(seg)] = lp[b, : len(seg.token_ids) - 1]
-        return out
-
-    def _micro_step(self, micro: list[tuple[Segment, float]], num_tokens: int, prox: dict[int, torch.Tensor] | None
-                    ) -> tuple[dict[str, float], tuple[int, float, float]]:
-        """Forward, loss, backward of one micro-batch: (metric sums, (fresh tokens, their k3 sum, max |diff|))."""
-        ids, mask, behav, adv, versions, routing = self._batch(micro)
-        new_lp, logp = self._forward(ids, routing)
-        target_mask = mask[:, 1:]
-        if prox is None:
-            prox_lp = new_lp.detach()
-        else:
-            prox_lp = torch.zeros_like(new_lp)
-            for b, (seg, _) in enumerate(micro):
-                prox_lp[b, : len(seg.token_ids) - 1] = prox[id(seg)]
-        ref_lp = None
-        if self.reference is not None and self.config.kl_coef > 0:
-            with torch.no_grad():
-                ref_lp, _ = self._forward(ids, routing, self.reference)
-            ref_lp = ref_lp[target_mask]
-        loss, sums = policy_loss(new_lp[target_mask], prox_lp[target_mask], behav[:, 1:][target_mask],
-                                 adv[:, 1:][target_mask], num_tokens, self.loss_config, ref_lp)
-        loss.backward()
-        with torch.no_grad():
-            p = logp[target_mask].exp()
-            entropy = -(p * logp[target_mask]).sum(-1).sum()
+                routing[b, :n] = torch.from_numpy(seg.routing[:-1].astype(np.int64)).to(self._route_dtype)
+            targets.append(seg.token_ids[1:][trained].astype(np.int64))
+            behaviour.append(seg.logprobs[1:][trained].astype(np.float32))
+            rows.append(int(trained.sum()))
+            advantages.append(np.full(rows[-1], a, dtype=np.float32))
             # Rows whose every generated token came from the current weights: their whole context was then
             # computed by them too (the engine drops cached prefixes at a swap), so any difference between
             # the engine's logprobs and ours is numerical. A row that spanned a swap is off-policy instead.
-            row_fresh = torch.tensor([bool((seg.versions[seg.loss_mask] == self.version).all()) for seg, _ in micro])
-            fresh = row_fresh[:, None].expand_as(target_mask)[target_mask]
-            recomputed, engine = prox_lp[target_mask][fresh], behav[:, 1:][target_mask][fresh]
-            fresh_stats = (int(fresh.sum()), float(k3(engine, recomputed).sum()),
-                           float((recomputed - engine).abs().max()) if fresh.any() else 0.0)
+            fresh.append(np.full(rows[-1], bool((seg.versions[seg.loss_mask] == self.version).all())))
+        prefix = 0
+        if B > 1:
+            prefix = min(_shared_inputs(micro[0][0], seg) for seg, _ in micro[1:])
+            if routing is not None and prefix:
+                same = (routing[:, :prefix] == routing[:1, :prefix]).flatten(2).all(-1).all(0)
+                prefix = int(same.int().cumprod(0).sum())
+        return _MicroBatch(ids, routing, prefix, where[:, prefix:],
+                           *(torch.from_numpy(np.concatenate(x)) for x in (targets, behaviour, advantages, fresh)), rows)
+
+    def _logprobs(self, batch: _MicroBatch, model: Qwen3ForCausalLM | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob of each trained target [N], log-distribution there [N, V]), replaying the recorded routing.
+
+        The shared prefix runs once (one row) and the rows continue from it; the LM head and softmax run
+        only where a token is trained.
+        """
+        model = model or self.model
+        ids, routing, P = batch.ids_BT, batch.routing_BTLK, batch.prefix
+        shared = None
+        if P:
+            shared = SharedPrefix()
+            model.hidden_states(ids[:1, :P], replay_routing=None if routing is None else routing[:1, :P],
+                                shared_prefix=shared)
+        positions = torch.arange(P, ids.shape[1]).expand(ids.shape[0], -1)
+        hidden_BTC, _ = model.hidden_states(ids[:, P:], positions, shared_prefix=shared,
+                                            replay_routing=None if routing is None else routing[:, P:])
+        logp_NV = torch.log_softmax(model.lm_head(hidden_BTC[batch.where_BT]).float(), dim=-1)
+        return logp_NV.gather(-1, batch.targets[:, None])[:, 0], logp_NV
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, items: list[tuple[Segment, float]]) -> dict[int, torch.Tensor]:
+        """Proximal logprobs (current weights) of each segment's trained tokens, keyed by id(segment)."""
+        out = {}
+        for micro in _micro_batches(items, self.config.micro_batch_tokens):
+            batch = self._batch(micro)
+            lp, _ = self._logprobs(batch)
+            for (seg, _), part in zip(micro, lp.split(batch.rows)):
+                out[id(seg)] = part
+        return out
+
+    def _micro_step(self, micro: list[tuple[Segment, float]], num_tokens: int, prox: dict[int, torch.Tensor] | None
+                    ) -> tuple[dict[str, float], tuple[int, float, float], int]:
+        """Forward, loss, backward of one micro-batch: (metric sums, (fresh tokens, their k3 sum, max |diff|),
+        input positions computed)."""
+        batch = self._batch(micro)
+        new_lp, logp = self._logprobs(batch)
+        prox_lp = new_lp.detach() if prox is None else torch.cat([prox[id(seg)] for seg, _ in micro])
+        ref_lp = None
+        if self.reference is not None and self.config.kl_coef > 0:
+            with torch.no_grad():
+                ref_lp, _ = self._logprobs(batch, self.reference)
+        loss, sums = policy_loss(new_lp, prox_lp, batch.behaviour, batch.advantages, num_tokens, self.loss_config,
+                                 ref_lp)
+        loss.backward()
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum()
+            recomputed, engine = prox_lp[batch.fresh], batch.behaviour[batch.fresh]
+            fresh_stats = (int(batch.fresh.sum()), float(k3(engine, recomputed).sum()),
+                           float((recomputed - engine).abs().max()) if batch.fresh.any() else 0.0)
         metrics = {"loss": float(loss.detach()) * num_tokens, "entropy": float(entropy),
                    **{k: float(v) for k, v in sums.items()}}
-        return metrics, fresh_stats
+        B, T = batch.ids_BT.shape
+        return metrics, fresh_stats, batch.prefix + B * (T - batch.prefix)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
