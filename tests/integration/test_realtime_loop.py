@@ -103,6 +103,9 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
             assert not users.errors, users.errors
             assert first["train"]["on_policy"] >= 16 and first["gate"]["decision"] == "canary", first
             assert set(first["seconds"]) == {"registry", "settle", "train", "gate"}  # where the time after the window went
+            # the champion (v0) played the gate's suite inside the window: the gate evaluated the candidate only
+            assert first["seconds_in_window"]["champion_eval"] > 0
+            assert len(list((loop_dir / "evals").glob("v-000000-*.json"))) == 1
             train = first["train"]  # the newest 24 train; the rest are passed over for good
             assert train["train/trajectories"] == min(24, train["on_policy"]) == train["on_policy"] - train["passed_over"]
             candidate = first["gate"]["version"]
