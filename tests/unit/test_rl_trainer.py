@@ -11,6 +11,7 @@ from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM
 from realtime_rl.rollout import StalenessBuffer, TrajectoryLog
 from realtime_rl.train import RLTrainer
+from realtime_rl.train.rl import _micro_batches
 from realtime_rl.types import Episode, Segment, episode_from_bytes, episode_to_bytes
 from tests.conftest import tiny_config
 
@@ -122,6 +123,15 @@ def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_r
 
     micro[2][0].routing[7, 0] = (micro[2][0].routing[7, 0] + 1) % model.config.num_experts
     assert trainer._batch(micro).prefix == 7  # where the recorded routing differs, rows stop sharing
+
+    # Rows another version generated routed the prompt its own way: they are packed apart, each batch keeping
+    # its whole shared prompt.
+    micro[2][0].routing[7, 0] = (micro[2][0].routing[7, 0] - 1) % model.config.num_experts
+    micro[1][0].versions[len(prompt):] = 1
+    micro[3][0].versions[len(prompt):] = 1
+    batches = _micro_batches(micro, 8192, by_version=True)
+    assert [sorted(int(s.versions[-1]) for s, _ in b) for b in batches] == [[0, 0], [1, 1]]
+    assert len(_micro_batches(micro, 8192)) == 1
 
 
 def test_each_segment_trains_with_the_episode_advantage(tmp_path):
