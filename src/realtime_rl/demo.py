@@ -36,7 +36,7 @@ from realtime_rl.evaluate import ABRecord, ABReport, ab_records, analyze
 from realtime_rl.loop import RealtimeLoop
 from realtime_rl.loop.report import write_report
 from realtime_rl.rewards import read_traffic
-from realtime_rl.serve import serve_in_thread
+from realtime_rl.serve import serve_in_process
 from realtime_rl.train import ensure_base_model
 
 
@@ -100,7 +100,9 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
                            weights=str(RealtimeLoop.champion_store(loop_dir)),
                            candidate_weights=str(RealtimeLoop.candidate_store(loop_dir)), weights_poll_s=0.5)
     stop = threading.Event()
-    with serve_in_thread(settings) as url:
+    # The gateway in its own process: in a thread of this one, its engine and the loop's trainer (both many
+    # small torch ops driven from Python) took turns on the GIL, and a cycle's training ran ~8x slower than alone.
+    with serve_in_process(settings, serve_dir / "gateway.log", threads=1) as url:
         loop = RealtimeLoop(config.loop.model_copy(update={
             "run_dir": loop_dir, "base_checkpoint": base_checkpoint, "gateway_url": url, "admin_key": admin_key.key,
             "store": "sqlite", "store_dir": serve_dir, "seed": config.seed}), console)

@@ -4,6 +4,7 @@
                candidate_engine: AsyncEngine | None = None) -> FastAPI
     run_server(settings: ServeConfig) -> None          # `rtrl serve`
     serve_in_thread(settings) -> base URL              # a context manager: the gateway on a thread
+    serve_in_process(settings, log_path) -> base URL   # ... in a child process (python -m realtime_rl.serve)
 
 Routes: POST /v1/chat/completions (JSON or SSE), POST /v1/feedback (one event or a batch; docs/feedback.md),
 GET /v1/models[/{model}], GET and PUT /v1/admin/traffic, GET /health, GET /metrics. Keys:
@@ -21,6 +22,6 @@ and penalties (400).
 """
 
 from realtime_rl.serve.app import create_app
-from realtime_rl.serve.server import run_server, serve_in_thread
+from realtime_rl.serve.server import run_server, serve_in_process, serve_in_thread
 
-__all__ = ["create_app", "run_server", "serve_in_thread"]
+__all__ = ["create_app", "run_server", "serve_in_process", "serve_in_thread"]

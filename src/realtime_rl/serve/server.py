@@ -3,19 +3,27 @@ with uvicorn until SIGINT or SIGTERM, then drains in-flight requests, stops the 
 and returns normally. Bad settings (no keys, no checkpoint, an unreadable one, an unreachable Postgres)
 raise ValueError before anything binds.
 
-`serve_in_thread(settings)`: the same app under uvicorn on a thread of this process (the demo runs the
-gateway beside the loop and the simulated users); a context manager yielding the base URL.
+`serve_in_thread(settings)`: the same app under uvicorn on a thread of this process (tests); a context
+manager yielding the base URL. `serve_in_process(settings, log_path)`: `run_server` in a child interpreter
+(`python -m realtime_rl.serve`), so the gateway's engine and event loop never wait on the caller's threads for
+the GIL (the demo runs the gateway beside the loop's trainer and the simulated users); same context manager.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import httpx
 import uvicorn
 
 from realtime_rl.collect import open_event_store
@@ -77,3 +85,48 @@ def serve_in_thread(settings: ServeConfig, start_timeout_s: float = 120.0) -> It
     finally:
         server.should_exit = True
         thread.join(settings.request_timeout_s + 10)
+
+
+@contextmanager
+def serve_in_process(settings: ServeConfig, log_path: Path, threads: int | None = None,
+                     start_timeout_s: float = 120.0) -> Iterator[str]:
+    """`run_server(settings)` in a child process, its output appended to log_path; yields the base URL once
+    GET /health answers. On exit: SIGTERM (the gateway drains and closes its store), SIGKILL if it has not
+    exited within request_timeout_s + 10 s. threads: the child's torch threads (None: torch's default)."""
+    if settings.port == 0:
+        with socket.socket() as probe:
+            probe.bind((settings.host, 0))
+            settings = settings.model_copy(update={"port": probe.getsockname()[1]})
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path = log_path.with_suffix(".settings.json")  # holds the API keys: readable by this user only
+    fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(settings.model_dump_json())
+    env = {**os.environ} | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "realtime_rl.serve", str(config_path)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+    url = f"http://{settings.host}:{settings.port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the gateway exited with {proc.returncode} before serving:\n{tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway did not answer {url}/health within {start_timeout_s:.0f} s")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(settings.request_timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
