@@ -100,9 +100,11 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
                            weights=str(RealtimeLoop.champion_store(loop_dir)),
                            candidate_weights=str(RealtimeLoop.candidate_store(loop_dir)), weights_poll_s=0.5)
     stop = threading.Event()
-    # The gateway in its own process: in a thread of this one, its engine and the loop's trainer (both many
-    # small torch ops driven from Python) took turns on the GIL, and a cycle's training ran ~8x slower than alone.
-    with serve_in_process(settings, serve_dir / "gateway.log", threads=1) as url:
+    # The gateway in its own process, one torch thread, at a lower priority: the users keep talking to it while
+    # the loop trains and gates, and on two shared cores the loop's work goes first (BENCHMARKS "loop", runs
+    # 10-12: in a thread of this process, or in a process at equal priority, a cycle's training ran 3-12x
+    # slower than alone). In production the gateway and the trainer run on their own machines.
+    with serve_in_process(settings, serve_dir / "gateway.log", threads=1, niceness=10) as url:
         loop = RealtimeLoop(config.loop.model_copy(update={
             "run_dir": loop_dir, "base_checkpoint": base_checkpoint, "gateway_url": url, "admin_key": admin_key.key,
             "store": "sqlite", "store_dir": serve_dir, "seed": config.seed}), console)

@@ -88,11 +88,13 @@ def serve_in_thread(settings: ServeConfig, start_timeout_s: float = 120.0) -> It
 
 
 @contextmanager
-def serve_in_process(settings: ServeConfig, log_path: Path, threads: int | None = None,
+def serve_in_process(settings: ServeConfig, log_path: Path, threads: int | None = None, niceness: int = 0,
                      start_timeout_s: float = 120.0) -> Iterator[str]:
     """`run_server(settings)` in a child process, its output appended to log_path; yields the base URL once
     GET /health answers. On exit: SIGTERM (the gateway drains and closes its store), SIGKILL if it has not
-    exited within request_timeout_s + 10 s. threads: the child's torch threads (None: torch's default)."""
+    exited within request_timeout_s + 10 s. threads: the child's torch threads (None: torch's default);
+    niceness: its scheduling priority below this process's (`nice -n`), for a gateway that shares the cores
+    with work that should go first."""
     if settings.port == 0:
         with socket.socket() as probe:
             probe.bind((settings.host, 0))
@@ -104,7 +106,8 @@ def serve_in_process(settings: ServeConfig, log_path: Path, threads: int | None 
         f.write(settings.model_dump_json())
     env = {**os.environ} | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "realtime_rl.serve", str(config_path)], stdout=log,
+        argv = [sys.executable, "-m", "realtime_rl.serve", str(config_path)]
+        proc = subprocess.Popen((["nice", "-n", str(niceness)] if niceness else []) + argv, stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
     url = f"http://{settings.host}:{settings.port}"
     try:
