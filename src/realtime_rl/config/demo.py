@@ -50,7 +50,8 @@ def _demo_loop() -> LoopConfig:
         # The canary is a guardrail here, not the proof of a win: the gate has just shown the candidate better on
         # held-out tasks (a paired test), and one 90 s window of 16 users cannot resolve a few points of edits
         # kept (clustered 95% CI ~ +-15 points; two runs measured +2.7 and +3.7 points, both undecided). So the
-        # canary is promoted unless its users' edits kept is shown to be 15 points worse or a guardrail regresses.
+        # canary is promoted once its users' edits kept is shown to be at most 15 points worse (the interval's
+        # lower end above -15) with no guardrail regressed; still undecided after its one window, it is rolled back.
         ab=ABConfig(candidate_fraction=0.5, min_completions_per_arm=30, min_edits_per_arm=15, primary_margin=0.15,
                     latency_tolerance_s=2.0),
         max_canary_cycles=1)
