@@ -36,7 +36,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ import httpx
 from realtime_rl.collect import open_event_store, postgres_unavailable
 from realtime_rl.config import ModelConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, generate_corpus, save_checkpoint
+from realtime_rl.serve import free_port, wait_until_serving
 
 KEY = "rtrl-bench-feedback-key-0123456789"
 POSTGRES_URL = os.environ.get("RTRL_BENCH_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
@@ -69,12 +69,6 @@ def tiny_checkpoint(directory: Path) -> Path:
     model = Qwen3ForCausalLM(config)
     model.reset_parameters(seed=0)
     return save_checkpoint(directory, model, tokenizer)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Gateway:
@@ -99,7 +93,7 @@ class Gateway:
 
     def start(self, timeout_s: float = 120.0) -> str:
         assert self.proc is None or self.proc.poll() is not None, "the gateway is already running"
-        port = _free_port()
+        port = free_port()
         log = open(self.run_dir / "gateway.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "realtime_rl.cli", "--log-level", "WARNING", "serve", "--config", str(self.config),
@@ -107,19 +101,12 @@ class Gateway:
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         log.close()
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"rtrl serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(f"rtrl serve did not answer /health within {timeout_s} s:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self.url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        try:
+            wait_until_serving(self.proc, self.url, self.run_dir / "gateway.log", timeout_s)
+        except TimeoutError:
+            self.kill()
+            raise
+        return self.url
 
     def log_tail(self, chars: int = 3000) -> str:
         path = self.run_dir / "gateway.log"

@@ -87,6 +87,33 @@ def serve_in_thread(settings: ServeConfig, start_timeout_s: float = 120.0) -> It
         thread.join(settings.request_timeout_s + 10)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS's pick), for a gateway started in another process."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_serving(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    """Poll GET {url}/health until it answers 200. RuntimeError if the process exits first, TimeoutError past
+    timeout_s, each with the tail of the process's log; stopping the process is the caller's."""
+    def tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode} before serving:\n{tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gateway did not answer {url}/health within {timeout_s:.0f} s:\n{tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
 @contextmanager
 def serve_in_process(settings: ServeConfig, log_path: Path, threads: int | None = None, niceness: int = 0,
                      start_timeout_s: float = 120.0) -> Iterator[str]:
@@ -96,9 +123,7 @@ def serve_in_process(settings: ServeConfig, log_path: Path, threads: int | None 
     niceness: its scheduling priority below this process's (`nice -n`), for a gateway that shares the cores
     with work that should go first."""
     if settings.port == 0:
-        with socket.socket() as probe:
-            probe.bind((settings.host, 0))
-            settings = settings.model_copy(update={"port": probe.getsockname()[1]})
+        settings = settings.model_copy(update={"port": free_port(settings.host)})
     log_path.parent.mkdir(parents=True, exist_ok=True)
     config_path = log_path.with_suffix(".settings.json")  # holds the API keys: readable by this user only
     fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -111,19 +136,7 @@ def serve_in_process(settings: ServeConfig, log_path: Path, threads: int | None 
                                 stderr=subprocess.STDOUT, env=env)
     url = f"http://{settings.host}:{settings.port}"
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the gateway exited with {proc.returncode} before serving:\n{tail}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway did not answer {url}/health within {start_timeout_s:.0f} s")
-            try:
-                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_until_serving(proc, url, log_path, start_timeout_s)
         yield url
     finally:
         if proc.poll() is None:

@@ -83,16 +83,17 @@ def _micro_batches(items: list[tuple[Segment, float]], max_tokens: int, by_versi
 
     items = sorted(items, key=lambda it: (version(it[0]), -len(it[0].token_ids)))
     batches: list[list[tuple[Segment, float]]] = []
-    shared = 0
+    shared = 0  # inputs every row of the last batch shares with its first (longest) row
     for it in items:
         if batches and version(batches[-1][0][0]) == version(it[0]):
             head = batches[-1][0][0]
-            p = _shared_inputs(head, it[0]) if len(batches[-1]) == 1 else min(shared, _shared_inputs(head, it[0]))
+            p = min(shared, _shared_inputs(head, it[0]))
             if p + (len(batches[-1]) + 1) * (len(head.token_ids) - p) <= max_tokens:
                 batches[-1].append(it)
                 shared = p
                 continue
         batches.append([it])
+        shared = len(it[0].token_ids)
     return batches
 
 
@@ -114,6 +115,12 @@ class _MicroBatch:
     """The token's row was generated entirely by the trainer's current version."""
     rows: list[int]
     """Trained targets per row."""
+
+    @property
+    def positions(self) -> tuple[int, int]:
+        """Input positions the forward computes (the shared prefix once), and in the padded rows."""
+        B, T = self.ids_BT.shape
+        return self.prefix + B * (T - self.prefix), B * T
 
 
 class RLTrainer:
@@ -248,9 +255,9 @@ class RLTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in _micro_batches([(items[i][0], items[i][1]) for i in chosen], cfg.micro_batch_tokens,
                                             self._replays):
-                    sums, fresh, computed = self._micro_step(micro, num_tokens, prox)
+                    sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens, prox)
                     positions["computed"] += computed
-                    positions["padded"] += len(micro) * (max(len(s.token_ids) for s, _ in micro) - 1)
+                    positions["padded"] += padded
                     for k, v in sums.items():
                         totals[k] += v / num_tokens
                     if epoch == 0:  # the proximal logprobs are those of the weights at the step start
@@ -341,9 +348,9 @@ class RLTrainer:
         return out
 
     def _micro_step(self, micro: list[tuple[Segment, float]], num_tokens: int, prox: dict[int, torch.Tensor] | None
-                    ) -> tuple[dict[str, float], tuple[int, float, float], int]:
+                    ) -> tuple[dict[str, float], tuple[int, float, float], tuple[int, int]]:
         """Forward, loss, backward of one micro-batch: (metric sums, (fresh tokens, their k3 sum, max |diff|),
-        input positions computed)."""
+        (input positions computed, padded))."""
         batch = self._batch(micro)
         new_lp, logp = self._logprobs(batch)
         prox_lp = new_lp.detach() if prox is None else torch.cat([prox[id(seg)] for seg, _ in micro])
@@ -361,8 +368,7 @@ class RLTrainer:
                            float((recomputed - engine).abs().max()) if batch.fresh.any() else 0.0)
         metrics = {"loss": float(loss.detach()) * num_tokens, "entropy": float(entropy),
                    **{k: float(v) for k, v in sums.items()}}
-        B, T = batch.ids_BT.shape
-        return metrics, fresh_stats, batch.prefix + B * (T - batch.prefix)
+        return metrics, fresh_stats, batch.positions
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
