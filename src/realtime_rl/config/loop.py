@@ -132,8 +132,9 @@ class LoopConfig(StrictModel):
     """Settled on-policy trajectories needed to train a candidate; fewer: the cycle only collects."""
     max_trajectories: int | None = Field(None, ge=1, le=10_000_000)
     """At most this many settled on-policy trajectories train one candidate: the newest (closest to the live
-    policy); the older ones are passed over for good. Bounds training time, which otherwise grows with the
-    traffic that arrived while the previous cycle trained and gated (None: all of them)."""
+    policy); the older ones are passed over. Bounds training time, which otherwise grows with the traffic that
+    arrived while the previous cycle trained and gated, and with the windows a rolled-back candidate leaves to
+    its sibling (None: all of them)."""
     max_staleness: int = Field(1, ge=0, le=1000)
     """Traffic of the live version and of its last max_staleness ancestors trains (importance-corrected);
     anything else (rolled-back canaries, older versions) is off-policy and never trains."""

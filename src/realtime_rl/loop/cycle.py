@@ -17,8 +17,9 @@ One cycle, top to bottom (`run_cycle`):
              (at most max_canary_cycles);
 4. train     with no canary running: the settled rewards of the live version's traffic (and of its last
              max_staleness ancestors: on-policy within the bound, importance-corrected by the trainer)
-             become episodes with the exact served tokens, logprobs and routing; a few RL steps from the
-             live checkpoint make the candidate, registered with its lineage and data window;
+             that its lineage has not trained on (a rolled-back sibling's data included) become episodes
+             with the exact served tokens, logprobs and routing; a few RL steps from the live checkpoint
+             make the candidate, registered with its lineage and data window;
 5. gate      candidate and live champion play the same held-out tasks with the same seeds; a paired
              non-inferiority test, hack canaries (hard tasks a dodging policy does not even try) and
              the monitors on the evaluation decide; the decision and its evidence go into the registry;
@@ -104,7 +105,8 @@ class RealtimeLoop:
         self._own_store = store is None
         self.store = store or open_event_store(config.store_dir, config.store)
         self.gateway = gateway or GatewayClient(config.gateway_url, config.admin_key, config.http_timeout_s)
-        self.state = LoopState.load(self.run_dir / "state.json")
+        live = self.registry.live()
+        self.state = LoopState.load(self.run_dir / "state.json", None if live is None else live.version)
         self.champion_weights = WeightPublisher(FilesystemTransport(self.run_dir / "weights" / "champion"), dtype=None)
         self.candidate_weights = WeightPublisher(FilesystemTransport(self.run_dir / "weights" / "candidate"),
                                                  dtype=None)
@@ -330,18 +332,18 @@ class RealtimeLoop:
         cfg, state = self.config, self.state
         live = self.registry.live()
         allowed = [v.version for v in self.registry.lineage(live.version)][: cfg.max_staleness + 1]
-        settled = self.ledger.settled(after_seq=state.trained_through)
-        records = {s.completion_id: self.store.get_completion(s.completion_id)
-                   for s in settled if s.model_version in allowed}
+        # What the live version's lineage has not trained on: a candidate rolled back leaves the data it saw to
+        # the next candidate of the same parent, which then trains on two windows of on-policy traffic.
+        after = state.trained_through.get(live.version, 0)
+        settled = self.ledger.settled(after_seq=after, model_versions=allowed)
+        records = {s.completion_id: self.store.get_completion(s.completion_id) for s in settled}
         on_policy = on_policy_rewards(settled, records, allowed)
         passed_over = max(0, len(on_policy) - cfg.max_trajectories) if cfg.max_trajectories else 0
         report["train"] = {"settled": len(settled), "on_policy": len(on_policy), "allowed_versions": allowed,
-                           "passed_over": passed_over}
+                           "after_seq": after, "passed_over": passed_over}
         on_policy = on_policy[passed_over:]  # settled in order: the newest are the last
         if len(on_policy) < cfg.min_trajectories:
             report["train"]["skipped"] = f"{len(on_policy)} on-policy trajectories < min_trajectories"
-            if settled and not on_policy:
-                state.trained_through = settled[-1].settle_seq  # nothing there can ever train
             return None
         rewarded = [(records[s.completion_id], s.choice_index, s.reward) for s in on_policy]
         episodes = traffic_episodes(rewarded, group_id=f"cycle-{state.cycle}")
@@ -361,7 +363,7 @@ class RealtimeLoop:
                    **{k: v for k, v in history[-1].items() if k.startswith(("train/loss", "train/mismatch",
                                                                            "train/kl", "train/entropy"))}}
         report["train"].update(metrics)
-        state.trained_through = settled[-1].settle_seq
+        state.trained_through[version] = settled[-1].settle_seq
         self._save()
         window = DataWindow(min(s.created_at for s in on_policy), window_end, len(on_policy))
         candidate = self.registry.register(out, parent=live.version, window=window, reward_version=cfg.rewards.version,

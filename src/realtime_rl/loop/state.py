@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -19,12 +19,23 @@ class LoopState:
     """The version serving as canary, if any."""
     canary_since: float | None = None
     canary_cycles: int = 0
-    trained_through: int = 0
-    """The ledger's settle_seq up to which settled rewards were considered for training."""
+    trained_through: dict[int, int] = field(default_factory=dict)
+    """Per trained version, the ledger's settle_seq through which settled rewards were considered when it was
+    trained. A candidate of live version L trains on what came after trained_through[L] (0 for the base): never
+    on what L's lineage already trained on, but again on what only a rolled-back sibling saw."""
 
     @classmethod
-    def load(cls, path: Path) -> LoopState:
-        return cls(**json.loads(path.read_text())) if path.is_file() else cls()
+    def load(cls, path: Path, live: int | None = None) -> LoopState:
+        """The saved state. A state.json from before trained_through was kept per version holds one seq; it
+        applies to `live`, the version whose candidates it bounded."""
+        if not path.is_file():
+            return cls()
+        data = json.loads(path.read_text())
+        through = data.get("trained_through", {})
+        if isinstance(through, int):
+            through = {} if live is None else {live: through}
+        data["trained_through"] = {int(version): int(seq) for version, seq in through.items()}
+        return cls(**data)
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")

@@ -1,0 +1,78 @@
+"""What each candidate of the real-time loop trains on: the settled traffic its parent's lineage has not
+trained on. A rolled-back candidate's data goes to the next candidate of the same parent (with the traffic
+that came since); a promoted one's is never trained again; and a state.json written before this was kept
+per version still bounds the live version's candidates."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from realtime_rl.collect import FeedbackEvent, open_event_store
+from realtime_rl.config import LoopConfig, RewardRules, RLConfig
+from realtime_rl.loop import RealtimeLoop
+from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
+from tests.conftest import tiny_config
+from tests.unit.test_rewards_ledger import record
+
+RULES = RewardRules(version="test-v1", persist_window_s=1.0, followup_window_s=0.0, horizon_s=10.0)
+
+
+def serve(store, prefix: str, n: int, version: int, at: float) -> None:
+    """n kept edits served by `version` (the ledger settles them once their window closed)."""
+    for i in range(n):
+        cid = f"{prefix}-{i}"
+        store.add_completion(record(cid, "edit", at, model_version=version))
+        store.add_events([FeedbackEvent(event_id=f"{cid}-a", type="edit_accepted", completion_id=cid),
+                          FeedbackEvent(event_id=f"{cid}-p", type="edit_persisted", completion_id=cid, window_s=1.0)])
+
+
+def train(loop: RealtimeLoop, now: float) -> tuple[int, dict]:
+    loop.ledger.update(loop.store, RULES, now)
+    report: dict = {}
+    candidate = loop._train(report, now)
+    assert candidate is not None, report
+    return candidate.version, report["train"]
+
+
+def test_a_rolled_back_candidates_data_trains_its_sibling_and_a_promoted_ones_never_again(tmp_path, tokenizer):
+    model = Qwen3ForCausalLM(tiny_config(vocab_size=tokenizer.vocab_size))
+    model.reset_parameters(seed=0)
+    base = save_checkpoint(tmp_path / "base", model, tokenizer)
+    config = LoopConfig(run_dir=tmp_path / "loop", base_checkpoint=base, store_dir=tmp_path / "serve", rewards=RULES,
+                        rl=RLConfig(lr=1e-3), train_steps=1, min_trajectories=4, max_staleness=1, gate_tasks=4,
+                        canary_tasks=0)
+    t0 = time.time()
+    with open_event_store(tmp_path / "serve", "sqlite") as store:
+        loop = RealtimeLoop(config, store=store)
+        try:
+            serve(store, "w1", 6, version=0, at=t0)
+            v1, first = train(loop, t0 + 100)
+            assert (first["on_policy"], first["after_seq"]) == (6, 0)
+            loop.registry.rollback(v1, reason="test: the gate rejected it")
+
+            serve(store, "w2", 4, version=0, at=t0 + 1)
+            v2, second = train(loop, t0 + 200)  # v0's both windows: what v1 saw and what came since
+            assert loop.registry.get(v2).parent == 0 and second["on_policy"] == 10 and second["after_seq"] == 0
+            loop.registry.transition(v2, "canary", reason="test: gate passed")
+            loop.registry.promote(v2, reason="test: A/B won")
+
+            serve(store, "w3", 5, version=2, at=t0 + 2)
+            serve(store, "w3-old", 3, version=0, at=t0 + 2)  # the champion arm's last replies: within the bound
+            serve(store, "w3-gone", 2, version=1, at=t0 + 2)  # the rolled-back canary's: never
+            v3, third = train(loop, t0 + 300)
+            assert loop.registry.get(v3).parent == 2 and third["allowed_versions"] == [2, 0]
+            assert third["on_policy"] == 8 and third["after_seq"] == loop.state.trained_through[v2] > 0
+            assert (loop.state.trained_through[v1], loop.state.trained_through[v2]) == (6, 10) and v3 in loop.state.trained_through
+        finally:
+            loop.close()
+
+        # A state.json from before the per-version record: its one seq bounds the live version's candidates.
+        state = tmp_path / "loop" / "state.json"
+        saved = json.loads(state.read_text())
+        state.write_text(json.dumps(saved | {"trained_through": 17}))
+        loop = RealtimeLoop(config, store=store)
+        try:
+            assert loop.state.trained_through == {v2: 17}
+        finally:
+            loop.close()
