@@ -1,7 +1,8 @@
 """What each candidate of the real-time loop trains on: the settled traffic its parent's lineage has not
 trained on. A rolled-back candidate's data goes to the next candidate of the same parent (with the traffic
 that came since); a promoted one's is never trained again; and a state.json written before this was kept
-per version still bounds the live version's candidates."""
+per version still bounds the live version's candidates. With batch_trajectories, more traffic buys more
+optimizer steps."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_a_rolled_back_candidates_data_trains_its_sibling_and_a_promoted_ones_ne
     model.reset_parameters(seed=0)
     base = save_checkpoint(tmp_path / "base", model, tokenizer)
     config = LoopConfig(run_dir=tmp_path / "loop", base_checkpoint=base, store_dir=tmp_path / "serve", rewards=RULES,
-                        rl=RLConfig(lr=1e-3), train_steps=1, min_trajectories=4, max_staleness=1, gate_tasks=4,
+                        rl=RLConfig(lr=1e-3), train_steps=2, batch_trajectories=4, min_trajectories=4, max_staleness=1, gate_tasks=4,
                         canary_tasks=0)
     t0 = time.time()
     with open_event_store(tmp_path / "serve", "sqlite") as store:
@@ -49,11 +50,13 @@ def test_a_rolled_back_candidates_data_trains_its_sibling_and_a_promoted_ones_ne
             serve(store, "w1", 6, version=0, at=t0)
             v1, first = train(loop, t0 + 100)
             assert (first["on_policy"], first["after_seq"]) == (6, 0)
+            assert first["train/steps"] == 1  # one batch of 4 or more
             loop.registry.rollback(v1, reason="test: the gate rejected it")
 
             serve(store, "w2", 4, version=0, at=t0 + 1)
             v2, second = train(loop, t0 + 200)  # v0's both windows: what v1 saw and what came since
             assert loop.registry.get(v2).parent == 0 and second["on_policy"] == 10 and second["after_seq"] == 0
+            assert second["train/steps"] == 2  # more traffic, more steps: at most train_steps
             loop.registry.transition(v2, "canary", reason="test: gate passed")
             loop.registry.promote(v2, reason="test: A/B won")
 

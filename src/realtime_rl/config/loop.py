@@ -127,7 +127,12 @@ class LoopConfig(StrictModel):
     """The trainer. The trajectories of one optimizer step share one baseline, their mean reward (live
     prompts rarely repeat, so there are no per-prompt groups)."""
     train_steps: int = Field(4, ge=1, le=10_000)
-    """Optimizer steps per candidate: the cycle's trajectories are split into this many batches."""
+    """Optimizer steps per candidate: the cycle's trajectories are split into this many batches (at most this
+    many, with batch_trajectories)."""
+    batch_trajectories: int | None = Field(None, ge=1, le=10_000_000)
+    """Trajectories per optimizer step: a candidate takes len // batch_trajectories steps, at least 1 and at
+    most train_steps, so more traffic buys more steps and a small window no noisy ones (None: always
+    train_steps batches)."""
     min_trajectories: int = Field(32, ge=1, le=10_000_000)
     """Settled on-policy trajectories needed to train a candidate; fewer: the cycle only collects."""
     max_trajectories: int | None = Field(None, ge=1, le=10_000_000)

@@ -350,11 +350,10 @@ class RealtimeLoop:
         version = max(v.version for v in self.registry.list()) + 1
         ckpt = load_checkpoint(live.checkpoint, dtype=torch.float32)
         trainer = RLTrainer(ckpt.model, ckpt.tokenizer, cfg.rl, self.run_dir / "train", version=live.version)
-        history = []
-        for i in range(cfg.train_steps):
-            chunk = episodes[i::cfg.train_steps]
-            if chunk:
-                history.append(trainer.step(chunk))
+        steps = cfg.train_steps
+        if cfg.batch_trajectories is not None:
+            steps = max(1, min(steps, len(episodes) // cfg.batch_trajectories))
+        history = [trainer.step(chunk) for i in range(steps) if (chunk := episodes[i::steps])]
         out = self.run_dir / "candidates" / f"v-{version:06d}"
         save_checkpoint(out, trainer.model, trainer.tokenizer)
         rewards = [s.reward for s in on_policy]
