@@ -47,7 +47,12 @@ def test_a_rolled_back_candidates_data_trains_its_sibling_and_a_promoted_ones_ne
     with open_event_store(tmp_path / "serve", "sqlite") as store:
         loop = RealtimeLoop(config, store=store)
         try:
-            serve(store, "w1", 6, version=0, at=t0)
+            serve(store, "w1", 3, version=0, at=t0)
+            loop.ledger.update(loop.store, RULES, t0 + 50)
+            report: dict = {}
+            assert loop._train(report, t0 + 50) is None  # too little traffic: it waits for the next cycle
+            assert report["train"]["skipped"] == "3 on-policy trajectories < min_trajectories 4"
+            serve(store, "w1b", 3, version=0, at=t0)
             v1, first = train(loop, t0 + 100)
             assert (first["on_policy"], first["after_seq"]) == (6, 0)
             assert first["train/steps"] == 1  # one batch of 4 or more
