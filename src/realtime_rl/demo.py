@@ -131,8 +131,10 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     for r, since, until in zip(reports, starts, starts[1:]):
         canary, gate = r.get("canary") or {}, r.get("gate") or {}
         verdict = f"v{canary['version']} {canary['decision']}" if canary else "-"
-        skipped = (r.get("train") or {}).get("skipped")
-        gated = f"v{gate['version']} {gate['decision']}" if gate else "none: too little traffic" if skipped else "-"
+        if gate:
+            gated = f"v{gate['version']} {gate['decision']}"
+        else:
+            gated = "none: too little traffic" if (r.get("train") or {}).get("skipped") else "-"
         for version, s in sorted(traffic_by_version(serve_dir, since, until, persist_window_s).items()):
             resolved = s["kept"] + s["reverted"]
             kept = f"{100 * s['kept'] / resolved:.1f} ({s['kept']}/{resolved})" if resolved else "-"

@@ -11,6 +11,7 @@ import time
 
 from realtime_rl.collect import FeedbackEvent, open_event_store
 from realtime_rl.config import LoopConfig, RewardRules, RLConfig
+from realtime_rl.deploy import PolicyVersion
 from realtime_rl.loop import RealtimeLoop
 from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
 from tests.conftest import tiny_config
@@ -28,30 +29,33 @@ def serve(store, prefix: str, n: int, version: int, at: float) -> None:
                           FeedbackEvent(event_id=f"{cid}-p", type="edit_persisted", completion_id=cid, window_s=1.0)])
 
 
-def train(loop: RealtimeLoop, now: float) -> tuple[int, dict]:
+def settle_and_train(loop: RealtimeLoop, now: float) -> tuple[PolicyVersion | None, dict]:
+    """What a cycle does after its window: settle the rewards, then train a candidate (or not)."""
     loop.ledger.update(loop.store, RULES, now)
     report: dict = {}
-    candidate = loop._train(report, now)
+    return loop._train(report, now), report["train"]
+
+
+def train(loop: RealtimeLoop, now: float) -> tuple[int, dict]:
+    candidate, report = settle_and_train(loop, now)
     assert candidate is not None, report
-    return candidate.version, report["train"]
+    return candidate.version, report
 
 
 def test_a_rolled_back_candidates_data_trains_its_sibling_and_a_promoted_ones_never_again(tmp_path, tokenizer):
     model = Qwen3ForCausalLM(tiny_config(vocab_size=tokenizer.vocab_size))
     model.reset_parameters(seed=0)
     base = save_checkpoint(tmp_path / "base", model, tokenizer)
-    config = LoopConfig(run_dir=tmp_path / "loop", base_checkpoint=base, store_dir=tmp_path / "serve", rewards=RULES,
-                        rl=RLConfig(lr=1e-3), train_steps=2, batch_trajectories=4, min_trajectories=4, max_staleness=1, gate_tasks=4,
-                        canary_tasks=0)
+    config = LoopConfig(run_dir=tmp_path / "loop", base_checkpoint=base, store_dir=tmp_path / "serve",
+                        rewards=RULES, rl=RLConfig(lr=1e-3), train_steps=2, batch_trajectories=4, min_trajectories=4,
+                        max_staleness=1, gate_tasks=4, canary_tasks=0)
     t0 = time.time()
     with open_event_store(tmp_path / "serve", "sqlite") as store:
         loop = RealtimeLoop(config, store=store)
         try:
             serve(store, "w1", 3, version=0, at=t0)
-            loop.ledger.update(loop.store, RULES, t0 + 50)
-            report: dict = {}
-            assert loop._train(report, t0 + 50) is None  # too little traffic: it waits for the next cycle
-            assert report["train"]["skipped"] == "3 on-policy trajectories < min_trajectories 4"
+            candidate, report = settle_and_train(loop, t0 + 50)  # too little traffic: it waits for the next cycle
+            assert candidate is None and report["skipped"] == "3 on-policy trajectories < min_trajectories 4"
             serve(store, "w1b", 3, version=0, at=t0)
             v1, first = train(loop, t0 + 100)
             assert (first["on_policy"], first["after_seq"]) == (6, 0)
@@ -71,7 +75,8 @@ def test_a_rolled_back_candidates_data_trains_its_sibling_and_a_promoted_ones_ne
             v3, third = train(loop, t0 + 300)
             assert loop.registry.get(v3).parent == 2 and third["allowed_versions"] == [2, 0]
             assert third["on_policy"] == 8 and third["after_seq"] == loop.state.trained_through[v2] > 0
-            assert (loop.state.trained_through[v1], loop.state.trained_through[v2]) == (6, 10) and v3 in loop.state.trained_through
+            through = loop.state.trained_through
+            assert (through[v1], through[v2]) == (6, 10) and v3 in through
         finally:
             loop.close()
 

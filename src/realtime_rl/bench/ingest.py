@@ -54,7 +54,7 @@ import httpx
 from realtime_rl.collect import open_event_store, postgres_unavailable
 from realtime_rl.config import ModelConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, generate_corpus, save_checkpoint
-from realtime_rl.serve import free_port, wait_until_serving
+from realtime_rl.serve import free_port, log_tail, wait_until_serving
 
 KEY = "rtrl-bench-feedback-key-0123456789"
 POSTGRES_URL = os.environ.get("RTRL_BENCH_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
@@ -86,7 +86,7 @@ class Gateway:
         self.proc: subprocess.Popen | None = None
         self.url = ""
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.config = run_dir / "serve.toml"
+        self.config, self.log_path = run_dir / "serve.toml", run_dir / "gateway.log"
         self.config.write_text(
             f"run_dir = {json.dumps(str(run_dir))}\nstore = {json.dumps(store)}\nmax_seq_len = 128\n"
             f'[[api_keys]]\nname = "bench"\nkey = "{KEY}"\nscopes = ["inference", "feedback"]\n')
@@ -94,7 +94,7 @@ class Gateway:
     def start(self, timeout_s: float = 120.0) -> str:
         assert self.proc is None or self.proc.poll() is not None, "the gateway is already running"
         port = free_port()
-        log = open(self.run_dir / "gateway.log", "ab")
+        log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "realtime_rl.cli", "--log-level", "WARNING", "serve", "--config", str(self.config),
              "--checkpoint", str(self.checkpoint), "--port", str(port)],
@@ -102,15 +102,11 @@ class Gateway:
         log.close()
         self.url = f"http://127.0.0.1:{port}"
         try:
-            wait_until_serving(self.proc, self.url, self.run_dir / "gateway.log", timeout_s)
+            wait_until_serving(self.proc, self.url, self.log_path, timeout_s)
         except TimeoutError:
             self.kill()
             raise
         return self.url
-
-    def log_tail(self, chars: int = 3000) -> str:
-        path = self.run_dir / "gateway.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM, then wait for a clean exit (SIGKILL after timeout_s); the exit code."""
@@ -271,7 +267,7 @@ def measure(checkpoint: Path, run_dir: Path, store: str, clients: int, batch: in
         text = gateway.metrics()
         code = gateway.stop()
         if code != 0:
-            raise RuntimeError(f"rtrl serve did not stop cleanly ({code}):\n{gateway.log_tail()}")
+            raise RuntimeError(f"rtrl serve did not stop cleanly ({code}):\n{log_tail(gateway.log_path)}")
     with open_event_store(run_dir, store) as s:
         stored_ids: Counter[str] = Counter()
         cursor = 0

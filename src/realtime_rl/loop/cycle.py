@@ -343,8 +343,9 @@ class RealtimeLoop:
                            "after_seq": after, "passed_over": passed_over}
         on_policy = on_policy[passed_over:]  # settled in order: the newest are the last
         if len(on_policy) < cfg.min_trajectories:
-            report["train"]["skipped"] = f"{len(on_policy)} on-policy trajectories < min_trajectories {cfg.min_trajectories}"
-            self.console.print(f"no candidate this cycle: {report['train']['skipped']} (they wait for the next)")
+            skipped = f"{len(on_policy)} on-policy trajectories < min_trajectories {cfg.min_trajectories}"
+            report["train"]["skipped"] = skipped
+            self.console.print(f"no candidate this cycle: {skipped} (they wait for the next)")
             return None
         rewarded = [(records[s.completion_id], s.choice_index, s.reward) for s in on_policy]
         episodes = traffic_episodes(rewarded, group_id=f"cycle-{state.cycle}")

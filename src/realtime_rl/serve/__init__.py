@@ -22,6 +22,9 @@ and penalties (400).
 """
 
 from realtime_rl.serve.app import create_app
-from realtime_rl.serve.server import free_port, run_server, serve_in_process, serve_in_thread, wait_until_serving
+from realtime_rl.serve.server import (
+    free_port, log_tail, run_server, serve_in_process, serve_in_thread, wait_until_serving,
+)
 
-__all__ = ["create_app", "free_port", "run_server", "serve_in_process", "serve_in_thread", "wait_until_serving"]
+__all__ = ["create_app", "free_port", "log_tail", "run_server", "serve_in_process", "serve_in_thread",
+           "wait_until_serving"]

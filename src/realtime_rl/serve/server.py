@@ -94,18 +94,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def log_tail(log_path: Path, chars: int = 3000) -> str:
+    """The last `chars` characters of a gateway's log ("" before it exists)."""
+    return log_path.read_text(errors="replace")[-chars:] if log_path.exists() else ""
+
+
 def wait_until_serving(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
     """Poll GET {url}/health until it answers 200. RuntimeError if the process exits first, TimeoutError past
     timeout_s, each with the tail of the process's log; stopping the process is the caller's."""
-    def tail() -> str:
-        return log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
-
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {proc.returncode} before serving:\n{tail()}")
+            raise RuntimeError(f"the gateway exited with {proc.returncode} before serving:\n{log_tail(log_path)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the gateway did not answer {url}/health within {timeout_s:.0f} s:\n{tail()}")
+            raise TimeoutError(f"the gateway did not answer {url}/health within {timeout_s:.0f} s:\n"
+                               f"{log_tail(log_path)}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
