@@ -41,6 +41,34 @@ def test_batched_greedy_matches_the_reference_decoder_token_for_token(moe):
         assert s.logprobs == [0.0] * 10 and s.finish_reason == "length"
 
 
+@pytest.mark.parametrize("window_span", [2, 1], ids=["window-view", "gathered"])
+def test_rows_in_scattered_slots_decode_exactly(moe, monkeypatch, window_span):
+    """Short requests retire first and leave free slots between the long ones: the decode batch then reads
+    its prefixes through a slot window (or, past the span, gathers them), and nothing changes."""
+    from realtime_rl.engine import engine as engine_module
+    from realtime_rl.model.kv_cache import KVCache, SlotWindow
+
+    monkeypatch.setattr(engine_module, "WINDOW_SPAN", window_span)
+    seen, begin = [], KVCache.begin
+
+    def spy(self, slots, *args, **kwargs):
+        seen.append(type(slots))
+        return begin(self, slots, *args, **kwargs)
+
+    monkeypatch.setattr(KVCache, "begin", spy)
+    ps = prompts(5, 11, 3, 8, 6, 9)
+    lengths = [2, 12, 3, 12, 1, 12]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = Engine(moe, max_batch=6, max_seq_len=64).generate(ps, params)
+    for p, n, out in zip(ps, lengths, outs):
+        ref = generate(moe, p, n, temperature=0.0)
+        s = out.samples[0]
+        assert s.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(s.raw_logprobs), torch.tensor(ref.raw_logprobs), atol=1e-5, rtol=0)
+        assert (s.routing == ref.routing_TLK.numpy()).all()
+    assert (SlotWindow in seen) == (window_span == 2)
+
+
 def test_raw_and_sampled_logprobs_are_those_of_the_model(moe):
     p = prompts(6)[0]
     out = Engine(moe).generate([p], SamplingParams(temperature=0.7, max_tokens=6, seed=1, ignore_eos=True))[0]

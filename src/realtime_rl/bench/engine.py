@@ -4,8 +4,11 @@ The same weights (the default MoE architecture, random init, saved once and load
 same random prompts, greedy decoding of a fixed number of tokens (no early stop) at batch sizes 1, 8
 and 32. Ours runs twice: with the compiled decode step (`tokens_per_s`, `speedup_vs_hf`) and eager
 (`eager_*`); transformers' `generate` runs eager, as its users call it. Also: the seconds the compiled
-engine's warm-up took (`compile_s`), the throughput cost of MoE routing capture, and the pause of a hot
-weight swap made while a batch-32 decode is running.
+engine's warm-up took (`compile_s`), the throughput cost of MoE routing capture, the pause of a hot
+weight swap made while a batch-32 decode is running, and one eager decode step at agent-episode lengths
+with the rows in scattered slots (28 of 32, 1,500-2,000 cached tokens each, what continuous batching
+over agent episodes leaves), read through a slot window (`scattered_window_ms`, what the engine does)
+and gathered row by row (`scattered_gather_ms`, what it did before).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 
 from realtime_rl.config import ModelConfig
 from realtime_rl.engine import Engine, SamplingParams
-from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
+from realtime_rl.model import KVCache, Qwen3ForCausalLM, save_checkpoint
+from realtime_rl.model.kv_cache import SlotWindow
 
 BATCHES = (1, 8, 32)
 
@@ -88,6 +92,33 @@ def swap_pause_ms(model: Qwen3ForCausalLM, batch: int, new_tokens: int, repeats:
     return statistics.median(pauses)
 
 
+def scattered_decode_ms(model: Qwen3ForCausalLM, repeats: int, slots: int = 32,
+                        free: tuple[int, ...] = (3, 9, 17, 25), context: tuple[int, int] = (1500, 2000)
+                        ) -> dict[str, float]:
+    """One decode step (ms, median of `repeats` timings of 10 steps) over rows in scattered KV-cache slots,
+    through a slot window and gathered; the cache holds random keys/values (the step's cost does not
+    depend on them)."""
+    rows = [s for s in range(slots) if s not in free]
+    cache = KVCache(model.config, slots, context[1] + 1)
+    for t in cache.k_LSHPD + cache.v_LSHPD:
+        t.normal_()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (len(rows), 1), generator=gen)
+    positions = torch.randint(context[0], context[1], (len(rows), 1), generator=gen)
+    length = int(positions.max()) + 1
+    ways = {"window": SlotWindow(rows[0], rows[-1] - rows[0] + 1, torch.tensor(rows) - rows[0]),
+            "gather": torch.tensor(rows)}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    with torch.no_grad():
+        for _ in range(repeats):  # alternate, so that load on the machine hits both alike
+            for name, way in ways.items():
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    model(ids, positions, kv_cache=cache, cache_slots=way, cache_length=length)
+                times[name].append((time.perf_counter() - t0) / 10 * 1e3)
+    return {f"scattered_{name}_ms": statistics.median(t) for name, t in times.items()}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -135,4 +166,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics["tokens_per_s_no_capture"] = statistics.median(without)
     metrics["capture_overhead"] = 1.0 - statistics.median(with_capture) / statistics.median(without)
     metrics["swap_pause_ms"] = swap_pause_ms(model, batch=b, new_tokens=new_tokens)
+    metrics |= scattered_decode_ms(model, repeats=2 if quick else 5)
+    metrics["scattered_window_speedup"] = metrics["scattered_gather_ms"] / metrics["scattered_window_ms"]
     return metrics

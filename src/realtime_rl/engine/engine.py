@@ -50,7 +50,13 @@ import torch
 
 from realtime_rl.engine.sampling import SamplingParams
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
+from realtime_rl.model.kv_cache import SlotWindow
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
+
+WINDOW_SPAN = 2
+"""A decode batch whose slots span at most this many times its rows attends over the span as a view (the
+free slots' rows padded); a sparser one gathers each row's prefix. Gathering copies every row's prefix
+in every layer; padding computes attention for rows nobody reads."""
 
 
 @dataclass
@@ -351,10 +357,14 @@ class Engine:
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)[:, None]
-        slots: torch.Tensor | int = seqs[0].slot  # consecutive slots (the first given): the cache is read as a view
-        if self.compile_decode or seqs[-1].slot - seqs[0].slot != len(seqs) - 1:
+        span = seqs[-1].slot - seqs[0].slot + 1
+        slots: torch.Tensor | int | SlotWindow = seqs[0].slot  # consecutive slots (the first given): a view
+        if self.compile_decode or span > WINDOW_SPAN * len(seqs):
             # Gathered (and always when compiled: a graph that reads a view specialises on the batch size).
             slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        elif span != len(seqs):  # a few free slots between the rows: attend over the whole window as a view
+            slots = SlotWindow(seqs[0].slot, span, torch.tensor([s.slot - seqs[0].slot for s in seqs],
+                                                                device=self.device))
         with torch.no_grad():
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
         if routing_BTLK is not None:
@@ -363,10 +373,10 @@ class Engine:
                 s.routing.append(routing[b : b + 1])
         self._sample(seqs, logits_BV)
 
-    def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, slots: torch.Tensor | int,
-                     length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor,
+                     slots: torch.Tensor | int | SlotWindow, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode forward: logits of each row's last position, and the routing it used. `slots`: each
-        row's slot, or the first of consecutive ones."""
+        row's slot, the first of consecutive ones, or the window they lie in."""
         if isinstance(slots, int):
             slots = slice(slots, slots + ids_BT.shape[0])
         out = self.model(ids_BT, positions_BT, kv_cache=self.cache, cache_slots=slots,

@@ -4,9 +4,9 @@ Numerics follow transformers' Qwen3 exactly where it matters for parity: RMSNorm
 back, QK-norm per head before RoPE, rotate-half RoPE with cos/sin computed in fp32.
 
 Attention has two modes. Full-sequence (no step): each batch row is one sequence, causal by index.
-With a `KVStep`, the step sees the new keys/values and hands back what the queries attend to, with its
-mask: the engine's `CacheStep` writes them into the KV cache at `positions` of the rows' slots and reads
-each row's prefix back (prefill, decode and ragged batches alike); the trainer's `SharedPrefix` puts one
+With a `KVStep`, the step takes the new keys/values and the queries and returns the attention output:
+the engine's `CacheStep` writes them into the KV cache at `positions` of the rows' slots and attends over
+each row's prefix (prefill, decode and ragged batches alike); the trainer's `SharedPrefix` puts one
 prefix, computed once, before every row's own keys.
 """
 
@@ -95,10 +95,7 @@ class Attention(nn.Module):
         if cache_step is None:
             out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=True, enable_gqa=True)
         else:
-            k_BHSD, v_BHSD = cache_step.update(self.layer_idx, k_BHTD, v_BHTD)
-            out_BHTD = F.scaled_dot_product_attention(
-                q_BHTD, k_BHSD, v_BHSD, attn_mask=cache_step.mask_B1TS, enable_gqa=True
-            )
+            out_BHTD = cache_step.attend(self.layer_idx, q_BHTD, k_BHTD, v_BHTD)
         return self.o_proj(out_BHTD.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 

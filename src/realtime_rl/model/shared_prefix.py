@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from realtime_rl.model.kv_cache import masked_attention
+
 
 class SharedPrefix:
     def __init__(self) -> None:
@@ -50,9 +52,10 @@ class _Record:
     prefix: SharedPrefix
     mask_B1TS: torch.Tensor
 
-    def update(self, layer_idx: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, layer_idx: int, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
+               ) -> torch.Tensor:
         self.prefix.keys[layer_idx], self.prefix.values[layer_idx] = k_BHTD, v_BHTD
-        return k_BHTD, v_BHTD
+        return masked_attention(q_BHTD, k_BHTD, v_BHTD, self.mask_B1TS)
 
 
 @dataclass
@@ -61,7 +64,9 @@ class _Extend:
     rows: int
     mask_B1TS: torch.Tensor
 
-    def update(self, layer_idx: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, layer_idx: int, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
+               ) -> torch.Tensor:
         k_prefix = self.prefix.keys[layer_idx].expand(self.rows, -1, -1, -1)
         v_prefix = self.prefix.values[layer_idx].expand(self.rows, -1, -1, -1)
-        return torch.cat([k_prefix, k_BHTD], dim=2), torch.cat([v_prefix, v_BHTD], dim=2)
+        k_BHSD, v_BHSD = torch.cat([k_prefix, k_BHTD], dim=2), torch.cat([v_prefix, v_BHTD], dim=2)
+        return masked_attention(q_BHTD, k_BHSD, v_BHSD, self.mask_B1TS)
