@@ -13,7 +13,26 @@ def test_bench_learn_quick():
     m = run_benchmark("learn", quick=True)["metrics"]
     assert m["rl_steps"] == 2 and m["eval_tasks"] == 4
     assert 0.0 <= m["base_pass_at_1"] <= 1.0 and 0.0 <= m["rl_pass_at_1"] <= 1.0
+    # the smoke base records how it was built, so fresh tasks of the trained structures are evaluated too
+    assert 0.0 <= m["base_pass_at_1_train_structures"] <= 1.0 and 0.0 <= m["rl_pass_at_1_train_structures"] <= 1.0
+    assert set(m["rl_behaviour"]) == {"failed_submits", "out_of_turns", "malformed_tool_calls", "mean_turns"}
+    assert m["base_behaviour"]["failed_submits"] + m["base_behaviour"]["out_of_turns"] <= 4
     assert m["minutes"] > 0
+
+
+def test_unseen_train_tasks_start_past_what_pretraining_generated(tmp_path):
+    from realtime_rl.bench.learn import unseen_train_tasks
+    from realtime_rl.environments import generate_task
+    from realtime_rl.train.corpus import synthetic_tasks
+
+    assert unseen_train_tasks(tmp_path, 10, 2) is None  # no pretrain.json: unknown, so not evaluated
+    (tmp_path / "pretrain.json").write_text('{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3}}')
+    args = unseen_train_tasks(tmp_path, 10, 2)
+    assert args == {"split": "train", "start": 5, "seed": 3}
+    seen = {t.task_id for t in synthetic_tasks(9, 2, seed=3)}
+    fresh = {generate_task(i, "train", 3, difficulty=d).slug for d in (1, 2) for i in range(5, 10)}
+    assert not seen & fresh
+    assert unseen_train_tasks(tmp_path, 10**6, 2) is None  # past the end of the split
 
 
 @pytest.mark.slow
@@ -37,3 +56,21 @@ def test_bench_vs_trl_quick():
     # quick: the target is the base itself, so both reach it at once
     assert m["target_pass_at_1"] == m["base_pass_at_1"]
     assert m["ours_minutes_to_target"] == m["trl_minutes_to_target"] == 0.0
+
+
+def test_paired_lift_counts_tasks_that_changed_outcome():
+    from realtime_rl.bench.learn import paired_lift
+
+    def report(passed):
+        return {"per_task": [{"task_id": f"t{i}", "passed": p} for i, p in enumerate(passed)]}
+
+    before = report([1] * 10 + [0] * 30 + [1] * 2)
+    after = report([1] * 10 + [1] * 14 + [0] * 16 + [0] * 2)
+    lift = paired_lift(before, after)
+    assert (lift["gained"], lift["lost"]) == (14, 2)
+    assert lift["lift"] == pytest.approx(12 / 42)
+    assert 0 < lift["ci95"][0] < lift["lift"] < lift["ci95"][1] and lift["mcnemar_p"] < 0.01
+    assert paired_lift(before, before) | {"ci95": None} == {"lift": 0.0, "ci95": None, "mcnemar_p": 1.0,
+                                                           "gained": 0, "lost": 0}
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_lift(before, report([1]))

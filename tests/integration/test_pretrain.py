@@ -120,5 +120,6 @@ def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
     report = heldout_pass_at_1(checkpoint, num_tasks=4, max_difficulty=2, agent=agent, concurrency=4)
     assert report["tasks"] == 4 and set(report["by_difficulty"]) == {1, 2}
     assert sum(report["ended_by"].values()) == 4 and 1 <= report["mean_turns"] <= 2
+    assert report["failed_submits"] <= min(report["ended_by"].get("submit", 0), 4 - report["passed"])
     assert 0.0 <= report["ci95"][0] <= report["pass_at_1"] <= report["ci95"][1] <= 1.0
     assert all(t["task_id"].startswith("syn-heldout-") for t in report["per_task"])

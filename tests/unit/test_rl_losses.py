@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from realtime_rl.train import LossConfig, group_advantages, k3, policy_loss
+from realtime_rl.train.losses import length_normalized
 
 
 def test_group_advantages_mean_and_leave_one_out():
@@ -23,6 +24,19 @@ def test_group_advantages_mean_and_leave_one_out():
 def test_equal_rewards_give_no_signal():
     assert group_advantages(torch.ones(4)).abs().max() == 0
     assert group_advantages(torch.tensor([3.0])).abs().max() == 0
+
+
+def test_episode_aggregation_weighs_each_episode_the_same_whatever_its_length():
+    # one pass (16 tokens) and three failures that ran long (64 tokens each)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    tokens = torch.tensor([16, 64, 64, 64])
+    assert (adv * tokens).sum() < 0  # token-level: on balance the group pushes its shared tokens down
+    scaled = length_normalized(adv, tokens)
+    assert (scaled * tokens).sum().abs() < 1e-5  # episode-level: a zero-sum group stays zero-sum
+    assert torch.allclose(scaled * tokens, adv * tokens.float().mean())
+    assert torch.equal(length_normalized(adv, torch.full((4,), 7)), adv)  # equal lengths: unchanged
+    with pytest.raises(ValueError, match="generated tokens"):
+        length_normalized(adv, torch.tensor([16, 0, 64, 64]))
 
 
 def test_k3_is_nonnegative_and_zero_on_equal():

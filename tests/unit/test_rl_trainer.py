@@ -161,6 +161,22 @@ def test_negative_weight_scales_what_failed_and_zero_learns_only_from_what_worke
         RLConfig(negative_weight=1.5)
 
 
+def test_episode_aggregation_changes_the_step_only_when_lengths_differ(tmp_path):
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    equal = _episodes(engine, 0)
+    mixed = equal + _episodes(engine, 1, max_tokens=12)
+
+    def trained(episodes, aggregation, name):
+        trainer = RLTrainer(_model(), None, RLConfig(lr=1e-2, loss_aggregation=aggregation), tmp_path / name)
+        trainer.step(episodes)
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+    assert torch.allclose(trained(equal, "token", "a"), trained(equal, "episode", "b"), atol=1e-7)
+    assert not torch.allclose(trained(mixed, "token", "c"), trained(mixed, "episode", "d"), atol=1e-6)
+    with pytest.raises(ValueError):
+        RLConfig(loss_aggregation="sequence")
+
+
 def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     batches = [_episodes(engine, s) for s in range(4)]

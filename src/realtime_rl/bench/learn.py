@@ -5,6 +5,14 @@
     rtrl train with configs/train/default.toml      (asynchronous GRPO, router replay, real sandboxes)
     rl_pass_at_1 = held-out pass@1 of the result on the same tasks, same sampling
 
+`lift` is rl - base on the same tasks, with the paired 95% interval (Tango's score interval, the
+promotion gate's statistic) and McNemar's exact p-value: a lift "as measured" is one whose interval
+excludes 0. Held-out tasks are of program structures no training ever generated: they measure what transfers.
+`*_pass_at_1_train_structures` measure the same before and after on fresh tasks of the structures RL
+trains on (train split, indices the base's pre-training never generated; `None` when the checkpoint has
+no pretrain.json to say which): whether RL learned at all, apart from whether that transfers.
+`*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
+and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model.
 `minutes` is the RL run's wall time (worker start-up excluded; base-model building and the two
 evaluations are reported separately). `--quick` runs the same path on a smoke-sized base model and a
@@ -13,13 +21,19 @@ few steps (a test runs it; its pass@1 figures mean nothing).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from statsmodels.stats.contingency_tables import mcnemar
+
 from realtime_rl.config import ModelConfig, PretrainConfig, TokenizerTrainConfig, TrainConfig, load_config
+from realtime_rl.environments.synthetic import split_size
+from realtime_rl.evaluate.gate import tango_interval
 from realtime_rl.rollout import train
 from realtime_rl.train import ensure_base_model, pretrain
 from realtime_rl.train.base_eval import heldout_pass_at_1
@@ -37,6 +51,42 @@ def smoke_base(run_dir: Path) -> Path:
                                      checkpoint_every=20, model=model, tokenizer=TokenizerTrainConfig(vocab_size=1024)),
                       show_progress=False)
     return Path(result["checkpoint"])
+
+
+def unseen_train_tasks(base: Path, num_tasks: int, max_difficulty: int) -> dict[str, int] | None:
+    """Arguments of heldout_pass_at_1 for num_tasks train-split tasks that pre-training of `base` never
+    generated (it wrote tasks 0 .. ceil(num_tasks / max_difficulty) - 1 of each difficulty, train/corpus.py),
+    or None when base has no pretrain.json or the split has too few tasks past those."""
+    record = base / "pretrain.json"
+    if not record.is_file():
+        return None
+    built = json.loads(record.read_text())["config"]
+    start = math.ceil(built["num_tasks"] / built["max_difficulty"])
+    if start + num_tasks > min(split_size("train", d) for d in range(1, max_difficulty + 1)):
+        return None
+    return {"split": "train", "start": start, "seed": built["seed"]}
+
+
+def paired_lift(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """after - before on the same tasks (heldout_pass_at_1 reports): the difference, its paired 95%
+    interval and McNemar's exact p-value (1.0 when no task changed outcome)."""
+    was = {r["task_id"]: bool(r["passed"]) for r in before["per_task"]}
+    now = {r["task_id"]: bool(r["passed"]) for r in after["per_task"]}
+    if was.keys() != now.keys():
+        raise ValueError("before and after must evaluate the same tasks")
+    gained = sum(now[t] and not was[t] for t in was)
+    lost = sum(was[t] and not now[t] for t in was)
+    both = sum(now[t] and was[t] for t in was)
+    table = [[both, lost], [gained, len(was) - both - lost - gained]]
+    return {"lift": (gained - lost) / len(was), "ci95": list(tango_interval(gained, lost, len(was), 0.95)),
+            "mcnemar_p": float(mcnemar(table, exact=True).pvalue) if gained + lost else 1.0,
+            "gained": gained, "lost": lost}
+
+
+def behaviour(report: dict[str, Any]) -> dict[str, Any]:
+    """How the episodes of a heldout_pass_at_1 report ended, beyond pass/fail."""
+    return {"failed_submits": report["failed_submits"], "out_of_turns": report["ended_by"].get("max_turns", 0),
+            "malformed_tool_calls": report["malformed_tool_calls"], "mean_turns": report["mean_turns"]}
 
 
 def base_and_recipe(quick: bool, tmp: Path) -> tuple[Path, TrainConfig]:
@@ -59,19 +109,33 @@ def run(quick: bool = False) -> dict[str, Any]:
         t0 = time.perf_counter()
         base, config = base_and_recipe(quick, Path(tmp))
         base_build_minutes = (time.perf_counter() - t0) / 60
-        num_tasks = 4 if quick else EVAL_TASKS
-        before = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=config.rollout.max_difficulty)
+        num_tasks, difficulty = 4 if quick else EVAL_TASKS, config.rollout.max_difficulty
+        unseen = unseen_train_tasks(base, num_tasks, difficulty)
+        before = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty)
+        before_train = heldout_pass_at_1(base, num_tasks, difficulty, **unseen) if unseen else None
         summary = train(config, show_progress=not quick)
-        after = heldout_pass_at_1(summary["checkpoint"], num_tasks=num_tasks,
-                                  max_difficulty=config.rollout.max_difficulty)
+        after = heldout_pass_at_1(summary["checkpoint"], num_tasks=num_tasks, max_difficulty=difficulty)
+        after_train = heldout_pass_at_1(summary["checkpoint"], num_tasks, difficulty, **unseen) if unseen else None
+    evals = [r for r in (before, after, before_train, after_train) if r]
+    lift = paired_lift(before, after)
     return {
         "base_pass_at_1": before["pass_at_1"],
         "rl_pass_at_1": after["pass_at_1"],
+        "lift": lift["lift"],
+        "lift_ci95": lift["ci95"],
+        "lift_mcnemar_p": lift["mcnemar_p"],
         "minutes": summary["minutes"],
         "base_ci95": list(before["ci95"]),
         "rl_ci95": list(after["ci95"]),
         "base_by_difficulty": before["by_difficulty"],
         "rl_by_difficulty": after["by_difficulty"],
+        "base_behaviour": behaviour(before),
+        "rl_behaviour": behaviour(after),
+        "base_pass_at_1_train_structures": before_train["pass_at_1"] if before_train else None,
+        "rl_pass_at_1_train_structures": after_train["pass_at_1"] if after_train else None,
+        "lift_train_structures_ci95": paired_lift(before_train, after_train)["ci95"] if after_train else None,
+        "base_by_difficulty_train_structures": before_train["by_difficulty"] if before_train else None,
+        "rl_by_difficulty_train_structures": after_train["by_difficulty"] if after_train else None,
         "eval_tasks": before["tasks"],
         "rl_steps": summary["steps_this_run"],
         "train_reward_first": summary["reward_first"],
@@ -79,5 +143,5 @@ def run(quick: bool = False) -> dict[str, Any]:
         "trainer_idle_fraction": summary["trainer_idle_fraction"],
         "rollout_tokens_per_s": summary["rollout_tokens_per_s"],
         "base_build_minutes": base_build_minutes,
-        "eval_minutes": before["minutes"] + after["minutes"],
+        "eval_minutes": sum(r["minutes"] for r in evals),
     }

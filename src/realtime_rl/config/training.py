@@ -92,6 +92,10 @@ class RLConfig(StrictModel):
     """RLOO baseline (mean of the other episodes of the group) instead of the group mean."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (GRPO)."""
+    loss_aggregation: Literal["token", "episode"] = "token"
+    """token: every generated token of a step weighs the same (DAPO). episode: every episode weighs the
+    same, its advantage rescaled by mean length / its length (verl's seq-mean-token-mean), so long failed
+    episodes do not outweigh short passes on the tokens they share (train/losses.py length_normalized)."""
     negative_weight: float = Field(1.0, ge=0.0, le=1.0)
     """Scale of negative advantages (episodes worse than their baseline). 1: the plain policy gradient. Below
     1 the step leans on what worked: 0 learns only from better-than-baseline episodes (filtered behaviour

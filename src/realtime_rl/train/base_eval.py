@@ -63,7 +63,7 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     `split` and `start` pick other tasks (fresh train-split ones for a model trained on first turns only).
 
     Returns pass_at_1, passed, tasks, ci95 (Wilson), by_difficulty {d: pass_at_1}, ended_by counts, mean
-    turns, malformed tool calls and the wall time.
+    turns, malformed tool calls, failed submits (submitted and failed the tests) and the wall time.
     """
     if threads:
         torch.set_num_threads(threads)
@@ -98,6 +98,7 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
         "ended_by": dict(Counter(e["ended_by"] for e in episodes)),
         "mean_turns": sum(e["turns"] for e in episodes) / len(episodes),
         "malformed_tool_calls": sum(e["malformed_tool_calls"] for e in episodes),
+        "failed_submits": sum(e["ended_by"] == "submit" and not e["passed"] for e in episodes),
         "minutes": (time.perf_counter() - t0) / 60,
         "per_task": per_task,
     }

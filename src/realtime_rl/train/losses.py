@@ -15,7 +15,9 @@ Three policies meet in one token t of a generated segment (all logprobs of the s
     loss = -sum_t is_t * min(ratio_t * A_t, clip(ratio_t) * A_t) / num_tokens + kl_coef * k3(new, ref)
 
 Aggregation is token-level (every generated token of the step weighs the same, DAPO), the divisor
-being the step's generated-token count, so micro-batching does not change the gradient.
+being the step's generated-token count, so micro-batching does not change the gradient. Episode-level
+aggregation (verl's "seq-mean-token-mean") rescales each episode's advantage by the step's mean episode
+length over its own (`length_normalized`), so every episode weighs the same whatever its length.
 Everything here is tensor math on [N] token vectors or [G] group vectors; the trainer (rl.py) does
 the forward passes. Not here: reward shaping (rewards/), the policy forward (rl.py).
 """
@@ -45,6 +47,20 @@ def group_advantages(rewards_G: torch.Tensor, leave_one_out: bool = False, std_n
     if std_normalize:
         centered = centered / (rewards_G.std() + eps)
     return centered
+
+
+def length_normalized(adv_E: torch.Tensor, tokens_E: torch.Tensor) -> torch.Tensor:
+    """Advantages of E episodes with tokens_E generated tokens each, rescaled so that under the token-mean
+    loss each episode's tokens together weigh |A| times an average episode's: A_e * mean(tokens) / tokens_e.
+
+    Token-level aggregation lets length decide: in multi-turn agent episodes the failures that run out of
+    turns generate several times the tokens of the passes, so a group whose advantages sum to zero still
+    pushes down, on balance, every token the two kinds share (the tool-call format first of all).
+    """
+    tokens_E = tokens_E.float()
+    if (tokens_E <= 0).any():
+        raise ValueError("every episode given must have generated tokens")
+    return adv_E * tokens_E.mean() / tokens_E
 
 
 def k3(logp_sample: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 from realtime_rl.config import RLConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, routing_dtype, save_checkpoint
 from realtime_rl.model.shared_prefix import SharedPrefix
-from realtime_rl.train.losses import LossConfig, group_advantages, k3, policy_loss
+from realtime_rl.train.losses import LossConfig, group_advantages, k3, length_normalized, policy_loss
 from realtime_rl.types import Episode, Segment
 
 STATE_FILE = "trainer_state.pt"
@@ -51,6 +51,10 @@ def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
     if episode.reward is not None:
         return float(episode.reward)
     return float(bool(episode.passed)) - malformed_penalty * episode.malformed_tool_calls
+
+
+def _generated(episode: Episode) -> int:
+    return sum(s.num_generated for s in episode.segments)
 
 
 def staleness(episode: Episode, version: int) -> int:
@@ -202,14 +206,18 @@ class RLTrainer:
         groups: dict[str, list[Episode]] = defaultdict(list)
         for e in episodes:
             groups[e.group_id or e.episode_id].append(e)
-        items: list[tuple[Segment, float]] = []
+        trained: list[tuple[Episode, float]] = []
         for members in groups.values():
             adv = group_advantages(torch.tensor([rewards[e.episode_id] for e in members]),
                                    cfg.leave_one_out, cfg.std_normalize)
             adv = torch.where(adv < 0, adv * cfg.negative_weight, adv)
-            for e, a in zip(members, adv.tolist()):
-                if a != 0.0:  # zero-advantage episodes carry no gradient: skip their forward
-                    items += [(s, a) for s in e.segments if s.loss_mask.any()]
+            # zero-advantage episodes (and those that generated nothing) carry no gradient: skip their forward
+            trained += [(e, a) for e, a in zip(members, adv.tolist()) if a != 0.0 and _generated(e)]
+        if cfg.loss_aggregation == "episode" and trained:
+            scaled = length_normalized(torch.tensor([a for _, a in trained]),
+                                       torch.tensor([_generated(e) for e, _ in trained]))
+            trained = [(e, a) for (e, _), a in zip(trained, scaled.tolist())]
+        items = [(s, a) for e, a in trained for s in e.segments if s.loss_mask.any()]
 
         stale = [staleness(e, self.version) for e in episodes]
         metrics: dict[str, float] = {
