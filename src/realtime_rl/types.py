@@ -149,6 +149,11 @@ class Episode:
         return sum(len(s.token_ids) for s in self.segments)
 
     @property
+    def num_generated(self) -> int:
+        """Tokens the policy generated (trained on), over all segments."""
+        return sum(s.num_generated for s in self.segments)
+
+    @property
     def succeeded_after_summary(self) -> bool | None:
         """Whether an episode that summarized itself at least once went on to pass; None otherwise."""
         return None if not self.summary_lengths or self.passed is None else self.passed

@@ -121,7 +121,7 @@ def interaction_from_episode(episode: Episode, difficulty: str | int | None = No
         kind = "edit"
     else:
         kind = "malformed" if episode.malformed_tool_calls else "other"
-    return Interaction(kind, episode.malformed_tool_calls, sum(s.num_generated for s in episode.segments),
+    return Interaction(kind, episode.malformed_tool_calls, episode.num_generated,
                        None if difficulty is None else str(difficulty), None)
 
 

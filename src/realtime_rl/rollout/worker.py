@@ -104,7 +104,7 @@ class RolloutWorker:
             episode.metadata.update(started_version=job.started_version, worker=self.worker_id,
                                     tests_passed=g.tests_passed, tests_failed=g.tests_failed)
             with self._lock:
-                self.generated_tokens += sum(s.num_generated for s in episode.segments)
+                self.generated_tokens += episode.num_generated
             return episode
 
         return list(self.episodes.map(one, range(job.group_size)))

@@ -53,10 +53,6 @@ def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
     return float(bool(episode.passed)) - malformed_penalty * episode.malformed_tool_calls
 
 
-def _generated(episode: Episode) -> int:
-    return sum(s.num_generated for s in episode.segments)
-
-
 def staleness(episode: Episode, version: int) -> int:
     """Versions between the trainer and the oldest token of the episode (0 when nothing was generated)."""
     oldest = min((int(s.versions[s.loss_mask].min()) for s in episode.segments if s.loss_mask.any()), default=version)
@@ -212,10 +208,10 @@ class RLTrainer:
                                    cfg.leave_one_out, cfg.std_normalize)
             adv = torch.where(adv < 0, adv * cfg.negative_weight, adv)
             # zero-advantage episodes (and those that generated nothing) carry no gradient: skip their forward
-            trained += [(e, a) for e, a in zip(members, adv.tolist()) if a != 0.0 and _generated(e)]
+            trained += [(e, a) for e, a in zip(members, adv.tolist()) if a != 0.0 and e.num_generated]
         if cfg.loss_aggregation == "episode" and trained:
             scaled = length_normalized(torch.tensor([a for _, a in trained]),
-                                       torch.tensor([_generated(e) for e, _ in trained]))
+                                       torch.tensor([e.num_generated for e, _ in trained]))
             trained = [(e, a) for (e, _), a in zip(trained, scaled.tolist())]
         items = [(s, a) for e, a in trained for s in e.segments if s.loss_mask.any()]
 
@@ -226,7 +222,7 @@ class RLTrainer:
             "train/episodes": float(len(episodes)),
             "train/groups": float(len(groups)),
             "train/groups_with_signal": float(sum(len({rewards[e.episode_id] for e in m}) > 1 for m in groups.values())),
-            "train/generated_tokens": float(sum(s.num_generated for e in episodes for s in e.segments)),
+            "train/generated_tokens": float(sum(e.num_generated for e in episodes)),
             "train/malformed_tool_calls": float(np.mean([e.malformed_tool_calls for e in episodes])),
             "train/staleness_mean": float(np.mean(stale)),
             "train/staleness_max": float(max(stale)),
