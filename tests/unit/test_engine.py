@@ -45,10 +45,10 @@ def test_batched_greedy_matches_the_reference_decoder_token_for_token(moe):
 def test_rows_in_scattered_slots_decode_exactly(moe, monkeypatch, window_span):
     """Short requests retire first and leave free slots between the long ones: the decode batch then reads
     its prefixes through a slot window (or, past the span, gathers them), and nothing changes."""
-    from realtime_rl.engine import engine as engine_module
+    from realtime_rl.engine import slots as slots_module
     from realtime_rl.model.kv_cache import KVCache, SlotWindow
 
-    monkeypatch.setattr(engine_module, "WINDOW_SPAN", window_span)
+    monkeypatch.setattr(slots_module, "WINDOW_SPAN", window_span)
     seen, begin = [], KVCache.begin
 
     def spy(self, slots, *args, **kwargs):

@@ -10,21 +10,20 @@ share its prefill: the prompt's keys/values are copied to the other slots); deco
 running sequence in one batch; retire finished sequences, freeing their slots. Every token records the
 policy version whose weights produced it, its logprobs and its MoE routing.
 
-Prefix caching: a freed slot keeps its keys/values (and routing) until reused. A new request takes the
-free slot whose cached tokens share the longest prefix with its prompt and prefills only the rest, so
-an agent's next turn (its previous context + the tool results) costs only the new tokens. The cache is
-reused only under the weights that computed it (`prefix_max_age` 0, the default: serving), or, with
-`prefix_max_age` k, by a continuation of the cached sequence (an agent's next turn: the new prompt runs
-past the old prompt into what was generated) while its oldest keys/values are at most k versions old. As
-with PipelineRL's in-flight updates, that turn reuses keys/values (and routing) older weights computed
-and only its new tokens see the new weights; its tokens' logprobs are still exactly what the sampler
-used, and the trainer's decoupled objective corrects the difference. An episode that has not yet spanned
-a swap never gets older keys/values (a new episode sharing only the system prompt with a stale slot
-prefills it afresh), so sequences whose every token the current weights generated stay exactly
-on-policy. Asynchronous RL rollouts set their staleness bound here: the trainer publishes every step,
-and otherwise every episode in flight would re-prefill its whole context after each one.
-A swap to an older version (a rolled-back policy served again) starts a new cache epoch: nothing
-cached before it is reused.
+Prefix caching (slots.py keeps the slots): a freed slot keeps its keys/values (and routing) until reused.
+A new request takes the free slot whose cached tokens share the longest prefix with its prompt and
+prefills only the rest, so an agent's next turn (its previous context + the tool results) costs only the
+new tokens. The cache is reused only under the weights that computed it (`prefix_max_age` 0, the default:
+serving), or, with `prefix_max_age` k, by a continuation of the cached sequence (an agent's next turn:
+the new prompt runs past the old prompt into what was generated) while its oldest keys/values are at most
+k versions old. As with PipelineRL's in-flight updates, that turn reuses keys/values (and routing) older
+weights computed and only its new tokens see the new weights; its tokens' logprobs are still exactly what
+the sampler used, and the trainer's decoupled objective corrects the difference. An episode that has not
+yet spanned a swap never gets older keys/values (a new episode sharing only the system prompt with a
+stale slot prefills it afresh), so sequences whose every token the current weights generated stay exactly
+on-policy. Asynchronous RL rollouts set their staleness bound here: the trainer publishes every step, and
+otherwise every episode in flight would re-prefill its whole context after each one. A swap to an older
+version (a rolled-back policy served again) starts a new cache epoch: nothing cached before it is reused.
 
 Compiled decode (`compile_decode=True`): the decode step's forward runs through `torch.compile` with
 dynamic batch and prefix sizes (a graph for a single row, one for every batch of more),
@@ -49,14 +48,10 @@ import numpy as np
 import torch
 
 from realtime_rl.engine.sampling import SamplingParams
+from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
 from realtime_rl.model.kv_cache import SlotWindow
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
-
-WINDOW_SPAN = 2
-"""A decode batch whose slots span at most this many times its rows attends over the span as a view (the
-free slots' rows padded); a sparser one gathers each row's prefix. Gathering copies every row's prefix
-in every layer; padding computes attention for rows nobody reads."""
 
 
 @dataclass
@@ -137,21 +132,8 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
         self.default_stop_ids = tokenizer.stop_token_ids if tokenizer is not None else []
-        self._free_slots = list(range(max_batch))
-        self.prefix_caching = prefix_caching
-        if prefix_max_age < 0:
-            raise ValueError(f"prefix_max_age must be >= 0, got {prefix_max_age}")
-        self.prefix_max_age = prefix_max_age
-        self._slot_tokens: list[np.ndarray | None] = [None] * max_batch  # tokens whose KV a free slot holds
-        self._slot_routing: list[torch.Tensor | None] = [None] * max_batch  # and their routing
-        self._slot_kv_version: list[int] = [version] * max_batch  # the version of a slot's oldest keys/values
-        # A swap to an older version (a rollback) starts a new epoch: no cache from before it is reused, since
-        # the versions a slot's keys/values span are no longer ordered by when they were computed.
-        self._kv_epoch = 0
-        self._slot_kv_epoch: list[int] = [0] * max_batch
-        self._slot_prompt_len: list[int] = [0] * max_batch  # how much of a slot's cache was its request's prompt
-        self._slot_freed: list[int] = [-1] * max_batch  # when each slot was last freed (LRU eviction)
-        self._frees = itertools.count()
+        self.slots = SlotTable(max_batch, version, prefix_caching=prefix_caching, prefix_max_age=prefix_max_age,
+                               need_routing=self.capture_routing)
         self.prefix_hit_tokens = 0
         self.prefill_tokens = 0
         self._waiting: deque[_Request] = deque()
@@ -243,7 +225,7 @@ class Engine:
             for name, p in self.model.named_parameters():
                 p.data = staged[name]
         if version < self.version:
-            self._kv_epoch += 1
+            self.slots.rollback()
         self.version = version
         self.last_swap_pause_ms = (time.perf_counter() - t0) * 1e3
 
@@ -263,7 +245,7 @@ class Engine:
     def _admit_and_prefill(self, finished: list[RequestOutput]) -> None:
         admitted: list[tuple[_Request, int]] = []  # (request, prompt tokens its slot already holds)
         with self._lock:
-            while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self._free_slots)):
+            while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
                 req = self._waiting.popleft()
                 if req.aborted:
                     finished.append(self._output(req, "abort"))
@@ -273,10 +255,9 @@ class Engine:
                     seed = None if req.params.seed is None else req.params.seed + i
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
                     gen = torch.Generator(device=self.device).manual_seed(seed)
-                    slot, hit = self._take_slot(req.prompt_ids if i == 0 else None)
-                    if i:  # gets a copy of sample 0's prompt keys/values, cached part included
-                        self._slot_kv_version[slot] = self._slot_kv_version[req.seqs[0].slot]
-                        self._slot_kv_epoch[slot] = self._slot_kv_epoch[req.seqs[0].slot]
+                    # Samples after the first get a copy of sample 0's prompt keys/values, cached part included.
+                    slot, hit = (self.slots.take(req.prompt_ids, self.version) if i == 0 else
+                                 self.slots.take(None, self.version, shares=req.seqs[0].slot))
                     reuse.append(hit)
                     req.seqs.append(_Seq(req, i, slot, gen))
                 admitted.append((req, reuse[0]))
@@ -306,49 +287,16 @@ class Engine:
         row_logits = []
         for b, (req, start) in enumerate(admitted):
             req.prefilled = now
+            cached = self.slots.pop_routing(req.seqs[0].slot)
             if out.routing_BTLK is not None:
                 computed = out.routing_BTLK[b, : lengths[b] - start].cpu()
-                cached = self._slot_routing[req.seqs[0].slot]
                 req.prompt_routing = torch.cat([cached[:start], computed]) if start else computed
-            self._slot_routing[req.seqs[0].slot] = None
             for seq in req.seqs[1:]:
                 self.cache.copy_prefix(req.seqs[0].slot, seq.slot, lengths[b])
             rows += req.seqs
             row_logits += [logits_BV[b]] * len(req.seqs)
         self._sample(rows, torch.stack(row_logits))
         self._running += rows
-
-    def _take_slot(self, prompt: list[int] | None) -> tuple[int, int]:
-        """(a free slot, how many leading prompt tokens its cache already holds).
-
-        The slot with the longest cached prefix of the prompt when there is one (at least one prompt
-        token is always recomputed, for its logits); otherwise the least recently freed slot.
-        """
-        best, best_hit = None, 0
-        if prompt is not None and self.prefix_caching:
-            p = np.asarray(prompt)
-            for slot in self._free_slots:
-                cached = self._slot_tokens[slot]
-                if cached is None or (self.capture_routing and self._slot_routing[slot] is None):
-                    continue
-                if self._slot_kv_epoch[slot] != self._kv_epoch:
-                    continue  # computed before a swap back to older weights
-                if self._slot_kv_version[slot] < self.version - self.prefix_max_age:
-                    continue  # computed by weights older than the engine will reuse
-                n = min(len(cached), len(p) - 1)
-                differ = np.flatnonzero(cached[:n] != p[:n])
-                hit = int(differ[0]) if len(differ) else n
-                if self._slot_kv_version[slot] < self.version and hit <= self._slot_prompt_len[slot]:
-                    continue  # older keys/values only for a continuation of the sequence that holds them
-                if hit > best_hit:
-                    best, best_hit = slot, hit
-        if best is None:
-            best = min(self._free_slots, key=lambda s: (self._slot_freed[s], s))
-        self._free_slots.remove(best)
-        self._slot_tokens[best] = None
-        if not best_hit:
-            self._slot_kv_version[best], self._slot_kv_epoch[best] = self.version, self._kv_epoch
-        return best, best_hit
 
     def _decode(self) -> None:
         seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)
@@ -357,14 +305,7 @@ class Engine:
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)[:, None]
-        span = seqs[-1].slot - seqs[0].slot + 1
-        slots: torch.Tensor | int | SlotWindow = seqs[0].slot  # consecutive slots (the first given): a view
-        if self.compile_decode or span > WINDOW_SPAN * len(seqs):
-            # Gathered (and always when compiled: a graph that reads a view specialises on the batch size).
-            slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        elif span != len(seqs):  # a few free slots between the rows: attend over the whole window as a view
-            slots = SlotWindow(seqs[0].slot, span, torch.tensor([s.slot - seqs[0].slot for s in seqs],
-                                                                device=self.device))
+        slots = decode_slots([s.slot for s in seqs], gather=self.compile_decode, device=self.device)
         with torch.no_grad():
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
         if routing_BTLK is not None:
@@ -438,13 +379,9 @@ class Engine:
             if s.finish_reason is None:
                 still.append(s)
             else:
-                self._free_slots.append(s.slot)
-                self._slot_freed[s.slot] = next(self._frees)
                 # The slot's cache holds the prompt and every generated token but the last (never an input).
-                self._slot_tokens[s.slot] = np.asarray(s.req.prompt_ids + s.token_ids[:-1])
-                self._slot_prompt_len[s.slot] = len(s.req.prompt_ids)
-                if s.req.prompt_routing is not None:
-                    self._slot_routing[s.slot] = torch.cat([s.req.prompt_routing, *s.routing])
+                routing = torch.cat([s.req.prompt_routing, *s.routing]) if s.req.prompt_routing is not None else None
+                self.slots.release(s.slot, s.req.prompt_ids + s.token_ids[:-1], len(s.req.prompt_ids), routing)
         finished_reqs = {id(s.req): s.req for s in self._running if s.finish_reason is not None}
         self._running = still
         for req in finished_reqs.values():

@@ -1,0 +1,116 @@
+"""The engine's KV-cache slots: which are free, what a freed slot still holds, which one a request takes.
+
+    slots = SlotTable(32, version=0, prefix_caching=True, prefix_max_age=2, need_routing=True)
+    slot, hit = slots.take(prompt_ids, version)       # hit: leading prompt tokens its cache already holds
+    slots.release(slot, tokens, prompt_len, routing)   # free again; the cache stays for the next taker
+    batch = decode_slots([3, 4, 6], gather=False, device=device)   # how one decode step reads them
+
+A freed slot keeps the keys/values of every token its sequence fed the model, and their MoE routing, until
+it is reused. `take` gives a request the free slot whose cache shares the longest prefix with its prompt,
+under the reuse rules of engine.py's docstring (the weights that computed the cache, or a continuation of
+the cached sequence within `prefix_max_age` versions, never across a rollback), else the least recently
+freed slot. Each slot remembers the version of its oldest keys/values and the cache epoch they belong to.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from realtime_rl.model.kv_cache import SlotWindow
+
+WINDOW_SPAN = 2
+"""A decode batch whose slots span at most this many times its rows attends over the span as a view (the
+free slots' rows padded); a sparser one gathers each row's prefix. Gathering copies every row's prefix
+in every layer; padding computes attention for rows nobody reads."""
+
+
+class SlotTable:
+    def __init__(self, count: int, version: int, *, prefix_caching: bool, prefix_max_age: int,
+                 need_routing: bool) -> None:
+        if prefix_max_age < 0:
+            raise ValueError(f"prefix_max_age must be >= 0, got {prefix_max_age}")
+        self.prefix_caching = prefix_caching
+        self.prefix_max_age = prefix_max_age
+        self.need_routing = need_routing
+        self.free = list(range(count))
+        self.tokens: list[np.ndarray | None] = [None] * count  # tokens whose keys/values a free slot holds
+        self.routing: list[torch.Tensor | None] = [None] * count  # and their routing
+        self.kv_version = [version] * count  # the version of a slot's oldest keys/values
+        # A swap to an older version (a rollback) starts a new epoch: no cache from before it is reused, since
+        # the versions a slot's keys/values span are no longer ordered by when they were computed.
+        self.epoch = 0
+        self.kv_epoch = [0] * count
+        self.prompt_len = [0] * count  # how much of a slot's cache was its request's prompt
+        self._freed_at = [-1] * count  # when each slot was last freed (LRU eviction)
+        self._frees = itertools.count()
+
+    def rollback(self) -> None:
+        """The weights went back to an older version: nothing cached so far is reusable."""
+        self.epoch += 1
+
+    def take(self, prompt: Sequence[int] | None, version: int, shares: int | None = None) -> tuple[int, int]:
+        """(a free slot, how many leading prompt tokens its cache already holds), for weights `version`.
+
+        The slot with the longest reusable cached prefix of `prompt` when there is one (at least one prompt
+        token is always recomputed, for its logits); otherwise the least recently freed slot. `shares`: the
+        slot whose prompt keys/values this one will receive a copy of (another sample of the same request);
+        it takes on that slot's version and epoch.
+        """
+        best, best_hit = None, 0
+        if prompt is not None and self.prefix_caching:
+            p = np.asarray(prompt)
+            for slot in self.free:
+                cached = self.tokens[slot]
+                if cached is None or (self.need_routing and self.routing[slot] is None):
+                    continue
+                if self.kv_epoch[slot] != self.epoch:
+                    continue  # computed before a swap back to older weights
+                if self.kv_version[slot] < version - self.prefix_max_age:
+                    continue  # computed by weights older than the engine will reuse
+                n = min(len(cached), len(p) - 1)
+                differ = np.flatnonzero(cached[:n] != p[:n])
+                hit = int(differ[0]) if len(differ) else n
+                if self.kv_version[slot] < version and hit <= self.prompt_len[slot]:
+                    continue  # older keys/values only for a continuation of the sequence that holds them
+                if hit > best_hit:
+                    best, best_hit = slot, hit
+        if best is None:
+            best = min(self.free, key=lambda s: (self._freed_at[s], s))
+        self.free.remove(best)
+        self.tokens[best] = None
+        if shares is not None:
+            self.kv_version[best], self.kv_epoch[best] = self.kv_version[shares], self.kv_epoch[shares]
+        elif not best_hit:
+            self.kv_version[best], self.kv_epoch[best] = version, self.epoch
+        return best, best_hit
+
+    def pop_routing(self, slot: int) -> torch.Tensor | None:
+        """The cached routing of a slot just taken (its prefix's rows), no longer kept for the slot."""
+        routing, self.routing[slot] = self.routing[slot], None
+        return routing
+
+    def release(self, slot: int, tokens: Sequence[int], prompt_len: int, routing: torch.Tensor | None) -> None:
+        """Free `slot`, whose cache holds the keys/values of `tokens` (the first prompt_len of them the prompt)."""
+        self.free.append(slot)
+        self._freed_at[slot] = next(self._frees)
+        self.tokens[slot] = np.asarray(tokens)
+        self.prompt_len[slot] = prompt_len
+        if routing is not None:
+            self.routing[slot] = routing
+
+
+def decode_slots(slots: Sequence[int], gather: bool, device: torch.device) -> torch.Tensor | int | SlotWindow:
+    """How a decode batch whose rows run in `slots` (ascending) reads the cache: the first slot when they are
+    consecutive (a view), the window they lie in when it spans at most WINDOW_SPAN times the rows, else
+    (and always when `gather`: a compiled graph that reads a view specialises on the batch size) each row's
+    slot, gathered."""
+    span = slots[-1] - slots[0] + 1
+    if gather or span > WINDOW_SPAN * len(slots):
+        return torch.tensor(list(slots), device=device)
+    if span == len(slots):
+        return slots[0]
+    return SlotWindow(slots[0], span, torch.tensor([s - slots[0] for s in slots], device=device))

@@ -1,0 +1,89 @@
+"""The engine's slot table: which free slot a request takes, and how a decode batch addresses its slots.
+(tests/unit/test_engine.py checks the same rules end to end, through the engine's outputs.)"""
+
+import pytest
+import torch
+
+from realtime_rl.engine.slots import SlotTable, decode_slots
+from realtime_rl.model.kv_cache import SlotWindow
+
+CPU = torch.device("cpu")
+
+
+def table(count=3, max_age=0):
+    return SlotTable(count, version=0, prefix_caching=True, prefix_max_age=max_age, need_routing=False)
+
+
+def test_takes_the_longest_cached_prefix_else_the_least_recently_freed():
+    slots = table()
+    a, _ = slots.take([1, 2, 3], 0)
+    b, _ = slots.take([7, 8], 0)
+    slots.release(b, [7, 8, 9], 2, None)
+    slots.release(a, [1, 2, 3, 4], 3, None)
+    assert slots.take([1, 2, 3, 4, 5], 0) == (a, 4)
+    assert slots.take([1, 2, 3, 4], 0) == (2, 0)  # a is taken; the never-used slot is the least recently freed
+    assert slots.take([6], 0) == (b, 0)
+
+
+def test_at_least_one_prompt_token_is_recomputed():
+    slots = table(1)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    assert slots.take([1, 2, 3], 0) == (0, 2)
+
+
+def test_older_keys_values_only_for_a_continuation_within_the_age_bound():
+    slots = table(1, max_age=1)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 9, 9], 3, None)  # version 0's keys/values
+    assert slots.take([1, 2, 3, 9, 9, 5], 1) == (0, 5)  # runs past the old prompt into what was generated
+    slots.release(0, [1, 2, 3, 9, 9, 5, 7], 6, None)
+    assert slots.kv_version[0] == 0  # the oldest keys/values are still version 0's
+    assert slots.take([1, 2, 3, 9, 9, 5, 7, 8], 2) == (0, 0)  # two versions old: past the bound
+    assert slots.kv_version[0] == 2
+    slots.release(0, [1, 2, 3, 9, 9], 3, None)
+    assert slots.take([1, 2, 3, 4], 3) == (0, 0)  # shares only the old prompt: prefilled afresh
+
+
+def test_a_rollback_makes_nothing_cached_reusable():
+    slots = table(1, max_age=2)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    slots.rollback()
+    assert slots.take([1, 2, 3, 4, 5], 0) == (0, 0)
+    assert slots.kv_epoch[0] == slots.epoch == 1
+
+
+def test_a_sample_sharing_a_prompt_takes_on_its_version():
+    slots = table(2, max_age=2)
+    first, _ = slots.take([1, 2], 0)
+    slots.kv_version[first] = 3
+    second, hit = slots.take(None, 5, shares=first)
+    assert hit == 0 and slots.kv_version[second] == 3
+
+
+def test_routing_is_needed_for_reuse_when_the_engine_records_it():
+    slots = SlotTable(1, version=0, prefix_caching=True, prefix_max_age=0, need_routing=True)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    assert slots.take([1, 2, 3, 4, 5], 0) == (0, 0)
+    routing = torch.zeros(4, 1, 2, dtype=torch.long)
+    slots.release(0, [1, 2, 3, 4], 3, routing)
+    assert slots.take([1, 2, 3, 4, 5], 0) == (0, 4)
+    assert slots.pop_routing(0) is routing and slots.pop_routing(0) is None
+
+
+def test_no_prefix_caching_never_reuses():
+    slots = SlotTable(1, version=0, prefix_caching=False, prefix_max_age=0, need_routing=False)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    assert slots.take([1, 2, 3, 4, 5], 0) == (0, 0)
+
+
+def test_bad_age_is_rejected():
+    with pytest.raises(ValueError, match="prefix_max_age"):
+        table(max_age=-1)
+
+
+def test_decode_batch_addresses_consecutive_slots_as_a_view_sparse_ones_by_window_or_gather():
+    assert decode_slots([4, 5, 6], gather=False, device=CPU) == 4
+    window = decode_slots([4, 5, 7], gather=False, device=CPU)
+    assert isinstance(window, SlotWindow) and (window.start, window.size) == (4, 4)
+    assert window.offsets.tolist() == [0, 1, 3]
+    assert decode_slots([0, 9], gather=False, device=CPU).tolist() == [0, 9]  # spans 10 for 2 rows: gathered
+    assert decode_slots([4, 5, 6], gather=True, device=CPU).tolist() == [4, 5, 6]
