@@ -11,7 +11,7 @@ from realtime_rl.bench import run_benchmark
 @pytest.mark.slow
 def test_bench_learn_quick():
     m = run_benchmark("learn", quick=True)["metrics"]
-    assert m["rl_steps"] == 2 and m["eval_tasks"] == 4
+    assert m["rl_steps"] == 2 and m["eval_tasks"] == m["eval_tasks_train_structures"] == 4
     assert 0.0 <= m["base_pass_at_1"] <= 1.0 and 0.0 <= m["rl_pass_at_1"] <= 1.0
     # the smoke base records how it was built, so fresh tasks of the trained structures are evaluated too
     assert 0.0 <= m["base_pass_at_1_train_structures"] <= 1.0 and 0.0 <= m["rl_pass_at_1_train_structures"] <= 1.0

@@ -1,14 +1,14 @@
 """`rtrl bench learn`: does RL make the base model better on tasks it never trained on?
 
     base = the default base model (configs/pretrain/default.toml; built once, then reused)
-    base_pass_at_1 = held-out pass@1 of base       (train/base_eval.py: held-out structures, T = 1.0)
+    base_pass_at_1 = held-out pass@1 of base       (train/base_eval.py: 600 tasks of held-out structures, T = 1.0)
     rtrl train with configs/train/default.toml      (asynchronous GRPO, router replay, real sandboxes)
     rl_pass_at_1 = held-out pass@1 of the result on the same tasks, same sampling
 
 `lift` is rl - base on the same tasks, with the paired 95% interval (Tango's score interval, the
 promotion gate's statistic) and McNemar's exact p-value: a lift "as measured" is one whose interval
 excludes 0. Held-out tasks are of program structures no training ever generated: they measure what transfers.
-`*_pass_at_1_train_structures` measure the same before and after on fresh tasks of the structures RL
+`*_pass_at_1_train_structures` measure the same before and after on 200 fresh tasks of the structures RL
 trains on (train split, indices the base's pre-training never generated; `None` when the checkpoint has
 no pretrain.json to say which): whether RL learned at all, apart from whether that transfers.
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
@@ -39,7 +39,10 @@ from realtime_rl.train import ensure_base_model, pretrain
 from realtime_rl.train.base_eval import heldout_pass_at_1
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-EVAL_TASKS = 200
+EVAL_TASKS = 600
+"""Held-out tasks, evaluated before and after. A paired lift of 4 points (gained - lost over the tasks) with
+~15% of tasks changing outcome either way is significant at 600 tasks, not at 200."""
+TRAIN_STRUCTURE_TASKS = 200
 
 
 def smoke_base(run_dir: Path) -> Path:
@@ -109,13 +112,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         t0 = time.perf_counter()
         base, config = base_and_recipe(quick, Path(tmp))
         base_build_minutes = (time.perf_counter() - t0) / 60
-        num_tasks, difficulty = 4 if quick else EVAL_TASKS, config.rollout.max_difficulty
-        unseen = unseen_train_tasks(base, num_tasks, difficulty)
+        difficulty = config.rollout.max_difficulty
+        num_tasks, num_train = (4, 4) if quick else (EVAL_TASKS, TRAIN_STRUCTURE_TASKS)
+        unseen = unseen_train_tasks(base, num_train, difficulty)
         before = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty)
-        before_train = heldout_pass_at_1(base, num_tasks, difficulty, **unseen) if unseen else None
+        before_train = heldout_pass_at_1(base, num_train, difficulty, **unseen) if unseen else None
         summary = train(config, show_progress=not quick)
         after = heldout_pass_at_1(summary["checkpoint"], num_tasks=num_tasks, max_difficulty=difficulty)
-        after_train = heldout_pass_at_1(summary["checkpoint"], num_tasks, difficulty, **unseen) if unseen else None
+        after_train = heldout_pass_at_1(summary["checkpoint"], num_train, difficulty, **unseen) if unseen else None
     evals = [r for r in (before, after, before_train, after_train) if r]
     lift = paired_lift(before, after)
     return {
@@ -137,6 +141,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "base_by_difficulty_train_structures": before_train["by_difficulty"] if before_train else None,
         "rl_by_difficulty_train_structures": after_train["by_difficulty"] if after_train else None,
         "eval_tasks": before["tasks"],
+        "eval_tasks_train_structures": before_train["tasks"] if before_train else None,
         "rl_steps": summary["steps_this_run"],
         "train_reward_first": summary["reward_first"],
         "train_reward_last3": summary["reward_last_mean"],
