@@ -17,6 +17,8 @@ def test_bench_learn_quick():
     assert 0.0 <= m["base_pass_at_1_train_structures"] <= 1.0 and 0.0 <= m["rl_pass_at_1_train_structures"] <= 1.0
     assert set(m["rl_behaviour"]) == {"failed_submits", "out_of_turns", "malformed_tool_calls", "mean_turns"}
     assert m["base_behaviour"]["failed_submits"] + m["base_behaviour"]["out_of_turns"] <= 4
+    gained, lost = m["lift_gained_lost"]
+    assert m["lift"] == pytest.approx((gained - lost) / m["eval_tasks"])
     assert m["minutes"] > 0
 
 

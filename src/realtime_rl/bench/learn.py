@@ -1,13 +1,14 @@
 """`rtrl bench learn`: does RL make the base model better on tasks it never trained on?
 
     base = the default base model (configs/pretrain/default.toml; built once, then reused)
-    base_pass_at_1 = held-out pass@1 of base       (train/base_eval.py: 600 tasks of held-out structures, T = 1.0)
+    base_pass_at_1 = held-out pass@1 of base       (train/base_eval.py: 600 held-out tasks, T = 1.0)
     rtrl train with configs/train/default.toml      (asynchronous GRPO, router replay, real sandboxes)
     rl_pass_at_1 = held-out pass@1 of the result on the same tasks, same sampling
 
 `lift` is rl - base on the same tasks, with the paired 95% interval (Tango's score interval, the
-promotion gate's statistic) and McNemar's exact p-value: a lift "as measured" is one whose interval
-excludes 0. Held-out tasks are of program structures no training ever generated: they measure what transfers.
+promotion gate's statistic), McNemar's exact p-value and the tasks gained and lost: a lift "as measured"
+is one whose interval excludes 0. Held-out tasks are of program structures no training ever generated:
+they measure what transfers.
 `*_pass_at_1_train_structures` measure the same before and after on 200 fresh tasks of the structures RL
 trains on (train split, indices the base's pre-training never generated; `None` when the checkpoint has
 no pretrain.json to say which): whether RL learned at all, apart from whether that transfers.
@@ -128,6 +129,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "lift": lift["lift"],
         "lift_ci95": lift["ci95"],
         "lift_mcnemar_p": lift["mcnemar_p"],
+        "lift_gained_lost": [lift["gained"], lift["lost"]],
         "minutes": summary["minutes"],
         "base_ci95": list(before["ci95"]),
         "rl_ci95": list(after["ci95"]),

@@ -161,7 +161,8 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float)
                                            "groups_per_step": setup.tasks_per_step,
                                            "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0, "ppo_epochs": 1,
                                            "minibatches": 1, "negative_weight": 1.0, "std_normalize": True,
-                                           "leave_one_out": False}),
+                                           "leave_one_out": False, "loss_aggregation": "token",
+                                           "malformed_penalty": 0.0}),  # TRL's side: token-mean, pass/fail
         "rollout": config.rollout.model_copy(update={"max_difficulty": 1, "first_task": TASK_START,
                                                      "episodes_in_flight": setup.group_size * setup.tasks_per_step,
                                                      "temperature": 1.0, "agent": setup.agent}),
