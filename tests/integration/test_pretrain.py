@@ -123,3 +123,8 @@ def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
     assert report["failed_submits"] <= min(report["ended_by"].get("submit", 0), 4 - report["passed"])
     assert 0.0 <= report["ci95"][0] <= report["pass_at_1"] <= report["ci95"][1] <= 1.0
     assert all(t["task_id"].startswith("syn-heldout-") for t in report["per_task"])
+    # Each task has its own seed, the same every time: a checkpoint evaluated again plays the same episodes,
+    # so a before/after comparison differs only where the weights do.
+    assert len({t["seed"] for t in report["per_task"]}) == 4
+    again = heldout_pass_at_1(checkpoint, num_tasks=4, max_difficulty=2, agent=agent, concurrency=2)
+    assert again["per_task"] == report["per_task"]

@@ -47,11 +47,9 @@ from statsmodels.stats.contingency_tables import mcnemar
 from realtime_rl.config import AgentConfig, SandboxConfig
 from realtime_rl.config.loop import GateConfig
 from realtime_rl.environments import Task
-from realtime_rl.evaluate.harness import evaluate_policy
+from realtime_rl.evaluate.harness import evaluate_policy, task_seed
 from realtime_rl.rewards.actions import classify_reply
 
-TURN_SEEDS = 1000
-"""Seeds reserved per task: turn t of task k samples with task_seed(seed, k) + t."""
 TEST_NAME = "Tango score test for the difference of paired proportions (non-inferiority, one-sided)"
 
 
@@ -195,12 +193,6 @@ def decide(champion_outcomes: Sequence[EpisodeOutcome], candidate_outcomes: Sequ
         "alarms": list(alarms),
     }
     return GateDecision(promote, reasons, evidence)
-
-
-def task_seed(seed: int, k: int) -> int:
-    """The sampling seed of the k-th task's episode: tasks draw independently (one seed for all would make
-    their outcomes move together and void the tests' independence), the same for every checkpoint."""
-    return seed + TURN_SEEDS * k
 
 
 def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, seed: int, agent_config: AgentConfig,

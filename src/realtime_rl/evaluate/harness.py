@@ -97,6 +97,18 @@ def episode_summary(episode: Episode) -> dict[str, Any]:
             "first_reply": episode.metadata.get("first_reply")}
 
 
+TURN_SEEDS = 1000
+"""Seeds reserved per episode: turn t of episode k samples with task_seed(seed, k) + t."""
+
+
+def task_seed(seed: int, k: int) -> int:
+    """The sampling seed of the k-th episode's first turn. Episodes draw independently (one seed for all, or
+    seeds one apart while each turn adds one, would make their outcomes move together), and the same for
+    every checkpoint: two checkpoints evaluated with one seed see the same random numbers task by task, so
+    their outcomes differ only where the models do (common random numbers for a paired comparison)."""
+    return seed + TURN_SEEDS * k
+
+
 def evaluate_policy(
     tasks: Sequence[Task],
     make_policy: Callable[[int], Policy],
@@ -109,8 +121,7 @@ def evaluate_policy(
     include_hidden: bool = True,
 ) -> EvalReport:
     """Run `samples` episodes per task and grade each in a fresh sandbox. The policy of sample i of task k is
-    make_policy(k * samples + i): each episode gets its own index, so seeded policies draw independently
-    across tasks as well as across samples (the same seed for every task would correlate their outcomes)."""
+    make_policy(k * samples + i): each episode gets its own index, for its own seed (task_seed)."""
     jobs = [(task, k * samples + i) for k, task in enumerate(tasks) for i in range(samples)]
 
     def one(job: tuple[Task, int]) -> tuple[str, GradeResult, dict[str, Any]]:
@@ -150,7 +161,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         model = ckpt.model
 
         def make_policy(i: int) -> Policy:
-            return ModelPolicy(model, temperature=config.agent.temperature, seed=config.seed + i)
+            return ModelPolicy(model, temperature=config.agent.temperature, seed=task_seed(config.seed, i))
 
         with WarmPool(config.sandbox) as pool:
             report = evaluate_policy(tasks, make_policy, ckpt.tokenizer, pool, sandbox, config.agent,
