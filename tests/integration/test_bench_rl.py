@@ -19,6 +19,9 @@ def test_bench_learn_quick():
     assert m["base_behaviour"]["failed_submits"] + m["base_behaviour"]["out_of_turns"] <= 4
     gained, lost = m["lift_gained_lost"]
     assert m["lift"] == pytest.approx((gained - lost) / m["eval_tasks"])
+    before, after = m["base_passed_bits"], m["rl_passed_bits"]
+    assert len(before) == len(after) == 4 and before.count("1") == round(4 * m["base_pass_at_1"])
+    assert sum(a > b for a, b in zip(after, before)) == gained and sum(a < b for a, b in zip(after, before)) == lost
     assert m["minutes"] > 0
 
 

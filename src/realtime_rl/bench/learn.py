@@ -15,6 +15,7 @@ no pretrain.json to say which): whether RL learned at all, apart from whether th
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model.
+`base_passed_bits` / `rl_passed_bits` say which held-out tasks passed, in task order.
 `minutes` is the RL run's wall time (worker start-up excluded; base-model building and the two
 evaluations are reported separately). `--quick` runs the same path on a smoke-sized base model and a
 few steps (a test runs it; its pass@1 figures mean nothing).
@@ -109,6 +110,12 @@ def base_and_recipe(quick: bool, tmp: Path) -> tuple[Path, TrainConfig]:
     return base, config.model_copy(update={"base_checkpoint": base, "run_dir": tmp / "train"})
 
 
+def passed_bits(report: dict[str, Any]) -> str:
+    """Which held-out tasks passed, one character per task in task order ("1" passed): two runs' base
+    evaluations compare task by task (seeded, they must agree)."""
+    return "".join("1" if r["passed"] else "0" for r in report["per_task"])
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-learn-") as tmp:
         t0 = time.perf_counter()
@@ -144,6 +151,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "base_by_difficulty_train_structures": before_train["by_difficulty"] if before_train else None,
         "rl_by_difficulty_train_structures": after_train["by_difficulty"] if after_train else None,
         "eval_tasks": before["tasks"],
+        "base_passed_bits": passed_bits(before),
+        "rl_passed_bits": passed_bits(after),
         "eval_tasks_train_structures": before_train["tasks"] if before_train else None,
         "rl_steps": summary["steps_this_run"],
         "train_reward_first": summary["reward_first"],
