@@ -23,6 +23,8 @@ def test_bench_learn_quick():
     assert len(before) == len(after) == 4 and before.count("1") == round(4 * m["base_pass_at_1"])
     assert sum(a > b for a, b in zip(after, before)) == gained and sum(a < b for a, b in zip(after, before)) == lost
     assert m["minutes"] > 0
+    assert {k: len(v) for k, v in m["train_curve_10_steps"].items()} == {
+        "pass_rate": 1, "reward_mean": 1, "malformed_tool_calls": 1, "entropy": 1, "kl_ref": 1}
 
 
 def test_unseen_train_tasks_start_past_what_pretraining_generated(tmp_path):

@@ -16,6 +16,8 @@ no pretrain.json to say which): whether RL learned at all, apart from whether th
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model.
 `base_passed_bits` / `rl_passed_bits` say which held-out tasks passed, in task order.
+`train_curve_10_steps` has the run's pass rate, reward, malformed calls per episode, entropy and KL to the
+reference, averaged over each 10 steps.
 `minutes` is the RL run's wall time (worker start-up excluded; base-model building and the two
 evaluations are reported separately). `--quick` runs the same path on a smoke-sized base model and a
 few steps (a test runs it; its pass@1 figures mean nothing).
@@ -110,6 +112,17 @@ def base_and_recipe(quick: bool, tmp: Path) -> tuple[Path, TrainConfig]:
     return base, config.model_copy(update={"base_checkpoint": base, "run_dir": tmp / "train"})
 
 
+CURVE = ("train/pass_rate", "train/reward_mean", "train/malformed_tool_calls", "train/entropy", "train/kl_ref")
+
+
+def train_curve(history: list[dict[str, float]], window: int = 10) -> dict[str, list[float]]:
+    """The RL run's metrics as means over consecutive windows of `window` steps: how pass rate, reward,
+    malformed calls per episode, entropy and KL to the reference moved over the run."""
+    return {key.split("/")[1]: [round(float(sum(m.get(key, 0.0) for m in chunk) / len(chunk)), 4)
+                                for chunk in (history[i:i + window] for i in range(0, len(history), window))]
+            for key in CURVE}
+
+
 def passed_bits(report: dict[str, Any]) -> str:
     """Which held-out tasks passed, one character per task in task order ("1" passed): two runs' base
     evaluations compare task by task (seeded, they must agree)."""
@@ -157,6 +170,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "rl_steps": summary["steps_this_run"],
         "train_reward_first": summary["reward_first"],
         "train_reward_last3": summary["reward_last_mean"],
+        "train_curve_10_steps": train_curve(summary["history"]),
         "trainer_idle_fraction": summary["trainer_idle_fraction"],
         "rollout_tokens_per_s": summary["rollout_tokens_per_s"],
         "base_build_minutes": base_build_minutes,
