@@ -1,6 +1,7 @@
 """Policies the agent loop can drive without the engine: a scripted one (tests, demos of the loop) and
-the local model through the reference decoder (`model.generate`). The engine's batched policy, with
-hot weight swaps and per-token versions, lives in `realtime_rl.engine`.
+the local model through the reference decoder (`model.generate`); `task_seed`, how seeded policies
+(these and the engine's) space their seeds so that episodes draw independently. The engine's batched
+policy, with hot weight swaps and per-token versions, lives in `realtime_rl.engine`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.model.generate import generate
 from realtime_rl.model.qwen3 import Qwen3ForCausalLM
 from realtime_rl.model.tokenizer import Tokenizer
+
+
+TURN_SEEDS = 1000
+"""Seeds reserved per episode: turn t of episode k samples with task_seed(seed, k) + t."""
+
+
+def task_seed(seed: int, k: int) -> int:
+    """The sampling seed of the k-th episode's first turn. Episodes draw independently (one seed for all, or
+    seeds one apart while each turn adds one, would make their outcomes move together), and the same for
+    every checkpoint: two checkpoints evaluated with one seed see the same random numbers task by task, so
+    their outcomes differ only where the models do (common random numbers for a paired comparison)."""
+    return seed + TURN_SEEDS * k
 
 
 class ScriptedPolicy:

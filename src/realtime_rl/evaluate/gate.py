@@ -47,7 +47,8 @@ from statsmodels.stats.contingency_tables import mcnemar
 from realtime_rl.config import AgentConfig, SandboxConfig
 from realtime_rl.config.loop import GateConfig
 from realtime_rl.environments import Task
-from realtime_rl.evaluate.harness import evaluate_policy, task_seed
+from realtime_rl.environments.policies import task_seed
+from realtime_rl.evaluate.harness import evaluate_policy
 from realtime_rl.rewards.actions import classify_reply
 
 TEST_NAME = "Tango score test for the difference of paired proportions (non-inferiority, one-sided)"

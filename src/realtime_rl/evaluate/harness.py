@@ -97,18 +97,6 @@ def episode_summary(episode: Episode) -> dict[str, Any]:
             "first_reply": episode.metadata.get("first_reply")}
 
 
-TURN_SEEDS = 1000
-"""Seeds reserved per episode: turn t of episode k samples with task_seed(seed, k) + t."""
-
-
-def task_seed(seed: int, k: int) -> int:
-    """The sampling seed of the k-th episode's first turn. Episodes draw independently (one seed for all, or
-    seeds one apart while each turn adds one, would make their outcomes move together), and the same for
-    every checkpoint: two checkpoints evaluated with one seed see the same random numbers task by task, so
-    their outcomes differ only where the models do (common random numbers for a paired comparison)."""
-    return seed + TURN_SEEDS * k
-
-
 def evaluate_policy(
     tasks: Sequence[Task],
     make_policy: Callable[[int], Policy],
@@ -143,7 +131,7 @@ def evaluate_policy(
 def run_eval(config: EvalConfig) -> dict[str, Any]:
     """`rtrl eval`: load the tasks, grade solutions or run the checkpoint's model, return the JSON report."""
     from realtime_rl.environments import load_tasks
-    from realtime_rl.environments.policies import ModelPolicy
+    from realtime_rl.environments.policies import ModelPolicy, task_seed
     from realtime_rl.environments.sandbox import Sandbox, WarmPool
     from realtime_rl.model import load_checkpoint
 

@@ -28,6 +28,7 @@ from realtime_rl.config import RolloutConfig
 from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
 from realtime_rl.environments import Sandbox, WarmPool, generate_task, grade, load_task, run_episode
 from realtime_rl.environments.agent_loop import PolicyOutput
+from realtime_rl.environments.policies import task_seed
 from realtime_rl.environments.synthetic import split_size
 from realtime_rl.model import load_checkpoint
 from realtime_rl.types import Episode
@@ -93,7 +94,10 @@ class RolloutWorker:
         agent = self.config.agent
 
         def one(i: int) -> Episode:
-            policy = EnginePolicy(self.engine, temperature=self.config.temperature, seed=job.seed * 1009 + i,
+            # Each episode its own block of turn seeds: seed + i with +1 per turn gave episode i's second turn
+            # the random numbers of episode i + 1's first.
+            seed = task_seed(0, job.seed * job.group_size + i)
+            policy = EnginePolicy(self.engine, temperature=self.config.temperature, seed=seed,
                                   timeout_s=self.config.timeout_s)
             result = run_episode(_LatentPolicy(policy, self.config.tool_latency_s), self.tokenizer, task, self.pool,
                                  agent, episode_id=f"{job.group_id}-{i}")
