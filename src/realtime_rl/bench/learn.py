@@ -115,12 +115,16 @@ def base_and_recipe(quick: bool, tmp: Path) -> tuple[Path, TrainConfig]:
 CURVE = ("train/pass_rate", "train/reward_mean", "train/malformed_tool_calls", "train/entropy", "train/kl_ref")
 
 
-def train_curve(history: list[dict[str, float]], window: int = 10) -> dict[str, list[float]]:
+def train_curve(history: list[dict[str, float]], window: int = 10) -> dict[str, list[float | None]]:
     """The RL run's metrics as means over consecutive windows of `window` steps: how pass rate, reward,
-    malformed calls per episode, entropy and KL to the reference moved over the run."""
-    return {key.split("/")[1]: [round(float(sum(m.get(key, 0.0) for m in chunk) / len(chunk)), 4)
-                                for chunk in (history[i:i + window] for i in range(0, len(history), window))]
-            for key in CURVE}
+    malformed calls per episode, entropy and KL to the reference moved over the run. A step with no
+    learning signal has no entropy or KL: those means are over the steps that have them (None if none)."""
+    chunks = [history[i:i + window] for i in range(0, len(history), window)]
+    curve: dict[str, list[float | None]] = {}
+    for key in CURVE:
+        values = [[m[key] for m in chunk if key in m] for chunk in chunks]
+        curve[key.split("/")[1]] = [round(float(sum(v) / len(v)), 4) if v else None for v in values]
+    return curve
 
 
 def passed_bits(report: dict[str, Any]) -> str:

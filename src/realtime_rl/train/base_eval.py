@@ -57,11 +57,12 @@ def wilson_interval(passed: int, total: int, z: float = 1.96) -> tuple[float, fl
 
 
 def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficulty: int = 2, seed: int = 0,
-                      temperature: float = 1.0, top_p: float = 1.0, agent: AgentConfig = EVAL_AGENT,
+                      top_p: float = 1.0, agent: AgentConfig = EVAL_AGENT,
                       concurrency: int = 16, threads: int | None = None, split: str = "heldout",
                       start: int = 0) -> dict[str, Any]:
     """Run one episode per held-out task with the checkpoint's model and grade it (visible + hidden tests).
-    `split` and `start` pick other tasks (fresh train-split ones for a model trained on first turns only).
+    `split` and `start` pick other tasks (fresh train-split ones for a model trained on first turns only);
+    episodes sample at agent.temperature.
     Task k samples with task_seed(seed, k) as the eval gate does, so two checkpoints evaluated with one seed
     pair up task by task on the same random numbers, and one checkpoint evaluated twice scores the same.
 
@@ -72,8 +73,8 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tasks = heldout_tasks(Path(tmp), num_tasks, max_difficulty, seed, split, start)
-        outcomes = evaluate_checkpoint(checkpoint, tasks, seed=seed, threads=threads, concurrency=concurrency,
-                                       top_p=top_p, agent_config=agent.model_copy(update={"temperature": temperature}))
+        outcomes = evaluate_checkpoint(checkpoint, tasks, seed=seed, agent_config=agent, threads=threads,
+                                       concurrency=concurrency, top_p=top_p)
     difficulty = {t.task_id: t.metadata["difficulty"] for t in tasks}
     by_difficulty: dict[int, list[bool]] = {}
     for o in outcomes:
