@@ -75,9 +75,14 @@ class RLConfig(StrictModel):
     """The RL trainer: optimizer, GRPO advantages, the decoupled PPO objective, router replay, checkpoints."""
 
     lr: float = Field(2e-4, gt=0, le=1.0)
-    """AdamW learning rate (constant after warmup)."""
+    """AdamW learning rate (after warmup; constant unless lr_decay_steps is set)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """Cosine decay of the rate from lr to lr * min_lr_ratio over this many steps after warmup (held there
+    after), counted in policy versions, so a resumed run continues the schedule; None: constant."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """The floor of the cosine decay, as a fraction of lr."""
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     """AdamW weight decay (matrices only)."""
     betas: tuple[float, float] = (0.9, 0.99)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -46,6 +45,7 @@ from realtime_rl.train.corpus import (
     CORPUS_FORMAT, Document, build_documents, build_followup_documents, build_write_documents, shared_prefix_length,
     synthetic_tasks, tokenizer_texts,
 )
+from realtime_rl.train.schedule import warmup_cosine
 
 MICRO_BATCH_TOKENS = 4096
 """A step's batch, sorted by length, is cut into micro-batches of at most this many (padded) tokens."""
@@ -108,11 +108,7 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
 
 
 def lr_at(step: int, config: PretrainConfig) -> float:
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+    return warmup_cosine(step, config.lr, config.warmup_steps, config.steps - config.warmup_steps, config.min_lr_ratio)
 
 
 def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, pad_id: int, prefix_len: int = 0

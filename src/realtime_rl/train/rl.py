@@ -40,6 +40,7 @@ from realtime_rl.config import RLConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, routing_dtype, save_checkpoint
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, length_normalized, policy_loss
+from realtime_rl.train.schedule import warmup_cosine
 from realtime_rl.types import Episode, Segment
 
 STATE_FILE = "trainer_state.pt"
@@ -240,7 +241,7 @@ class RLTrainer:
 
     def _optimize(self, items: list[tuple[Segment, float]]) -> dict[str, float]:
         cfg = self.config
-        lr = cfg.lr * min(1.0, (self.version + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+        lr = warmup_cosine(self.version, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps, cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         recompute_prox = cfg.minibatches > 1 or cfg.ppo_epochs > 1
