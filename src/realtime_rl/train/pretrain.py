@@ -108,7 +108,8 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
 
 
 def lr_at(step: int, config: PretrainConfig) -> float:
-    return warmup_cosine(step, config.lr, config.warmup_steps, config.steps - config.warmup_steps, config.min_lr_ratio)
+    decay_steps = config.steps - config.warmup_steps
+    return warmup_cosine(step, config.lr, config.warmup_steps, decay_steps, config.min_lr_ratio)
 
 
 def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, pad_id: int, prefix_len: int = 0
