@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("--json", type=Path, help="write {name, metrics, env} to this file")
     bench.add_argument("--quick", action="store_true", help="a short run (CI-sized)")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of the RL recipe the benchmark runs (learn, async: "
+                            "configs/train/default.toml), e.g. --set rl.lr_decay_steps=80 (repeatable)")
     return parser
 
 
@@ -152,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from realtime_rl.bench import run_benchmark
 
-        result = run_benchmark(args.name, quick=args.quick)
+        result = run_benchmark(args.name, quick=args.quick, overrides=args.overrides)
         text = json.dumps(result, indent=2)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)

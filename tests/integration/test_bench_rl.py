@@ -10,7 +10,9 @@ from realtime_rl.bench import run_benchmark
 
 @pytest.mark.slow
 def test_bench_learn_quick():
-    m = run_benchmark("learn", quick=True)["metrics"]
+    result = run_benchmark("learn", quick=True, overrides=["rl.lr_decay_steps=1"])
+    assert result["overrides"] == ["rl.lr_decay_steps=1"]
+    m = result["metrics"]
     assert m["rl_steps"] == 2 and m["eval_tasks"] == m["eval_tasks_train_structures"] == 4
     assert 0.0 <= m["base_pass_at_1"] <= 1.0 and 0.0 <= m["rl_pass_at_1"] <= 1.0
     # the smoke base records how it was built, so fresh tasks of the trained structures are evaluated too
@@ -40,6 +42,17 @@ def test_unseen_train_tasks_start_past_what_pretraining_generated(tmp_path):
     fresh = {generate_task(i, "train", 3, difficulty=d).slug for d in (1, 2) for i in range(5, 10)}
     assert not seen & fresh
     assert unseen_train_tasks(tmp_path, 10**6, 2) is None  # past the end of the split
+
+
+def test_recipe_overrides_come_after_the_quick_sizes(tmp_path, monkeypatch):
+    from realtime_rl.bench.learn import base_and_recipe
+
+    monkeypatch.setenv("RTRL_BENCH_BASE", str(tmp_path / "base"))  # named, not built: nothing loads it here
+    base, config = base_and_recipe(True, tmp_path, ["steps=3", "rl.lr_decay_steps=40"])
+    assert base == tmp_path / "base" and config.base_checkpoint == base and config.run_dir == tmp_path / "train"
+    assert config.steps == 3 and config.rl.lr_decay_steps == 40 and config.rl.group_size == 2  # quick size kept
+    _, recipe = base_and_recipe(False, tmp_path)
+    assert recipe.rl.lr_decay_steps is None and recipe.steps > 3  # the recipe itself, unchanged
 
 
 @pytest.mark.slow

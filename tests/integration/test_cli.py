@@ -54,6 +54,8 @@ def test_bench_parity_writes_json(tmp_path):
     (["simulate-users", "--set", "users=0"], "users"),
     (["demo", "--config", "missing.toml"], "config file not found"),
     (["demo", "--set", "oops"], "key=value"),
+    (["bench", "parity", "--set", "rl.lr=1e-4"], "runs no RL recipe"),
+    (["bench", "learn", "--set", "rl.lr_decay_steps=0"], "rl.lr_decay_steps"),  # before any base model is built
 ])
 def test_bad_input_exits_nonzero_with_one_line(args, message):
     proc = run(*args)

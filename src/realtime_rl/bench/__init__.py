@@ -1,6 +1,7 @@
-"""The code behind `rtrl bench NAME`: each benchmark is a module with `run(quick) -> metrics`.
+"""The code behind `rtrl bench NAME`: each benchmark is a module with `run(quick) -> metrics`
+(`run(quick, overrides)` for those that run the RL recipe).
 
-`run_benchmark` wraps the metrics as `{"name", "metrics", "env"}`; benchmarks/BENCHMARKS.md records
+`run_benchmark` wraps the metrics as `{"name", "metrics", "overrides", "env"}`; benchmarks/BENCHMARKS.md records
 the figures with the command, machine and date. Nothing in the runtime package imports this.
 """
 
@@ -27,6 +28,8 @@ BENCHMARKS = {
     "vs-trl": "our trainer against TRL's GRPOTrainer: same base, tasks, reward and machine; minutes to the same pass rate",
     "ingest": "durable feedback events/s over HTTP into `rtrl serve` (SQLite, Postgres) with retries: lost, duplicated",
 }
+RECIPE_BENCHMARKS = ("learn", "async")
+"""The benchmarks that run the RL recipe (configs/train/default.toml); `--set KEY=VALUE` changes it for them."""
 
 
 def environment() -> dict[str, Any]:
@@ -53,9 +56,15 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def run_benchmark(name: str, quick: bool = False) -> dict[str, Any]:
+def run_benchmark(name: str, quick: bool = False, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run one benchmark. `overrides` (`--set KEY=VALUE`) change the RL recipe of the benchmarks that run
+    it and are recorded in the result; the others refuse them."""
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose from: {', '.join(sorted(BENCHMARKS))}")
+    overrides = list(overrides or [])
+    if overrides and name not in RECIPE_BENCHMARKS:
+        raise ValueError(f"benchmark {name!r} runs no RL recipe, so --set has nothing to change "
+                         f"(it applies to {', '.join(RECIPE_BENCHMARKS)})")
     module = importlib.import_module(f"realtime_rl.bench.{name.replace('-', '_')}")
-    metrics = module.run(quick=quick)
-    return {"name": name, "metrics": metrics, "env": environment()}
+    metrics = module.run(quick=quick, overrides=overrides) if name in RECIPE_BENCHMARKS else module.run(quick=quick)
+    return {"name": name, "metrics": metrics, "overrides": overrides, "env": environment()}

@@ -6,7 +6,8 @@ steps (so the same number of trajectories) from the same start; only `max_stalen
 (workers keep sampling from the newest weights while the trainer trains; staleness corrected by
 decoupled PPO with TIS/IcePop). Environment latency is that of real sandboxed test runs and grading;
 `RTRL_BENCH_TOOL_LATENCY` (seconds per tool turn) adds simulated latency to study overlap;
-`RTRL_BENCH_STEPS` and `RTRL_BENCH_EVAL_TASKS` shorten a run; `RTRL_BENCH_BASE=DIR` picks the base model.
+`RTRL_BENCH_STEPS` and `RTRL_BENCH_EVAL_TASKS` shorten a run; `RTRL_BENCH_BASE=DIR` picks the base model;
+`--set KEY=VALUE` changes the recipe for both runs.
 
 Both runs get room for (max_staleness + 1) batches of episodes in flight: the synchronous run can use
 one batch of it (the next is admitted only after the step that needs it), the asynchronous run all of it.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +33,11 @@ EVAL_TASKS = 100
 STEPS = 20
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     latency = float(os.environ.get("RTRL_BENCH_TOOL_LATENCY", "0"))
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-async-") as tmp:
-        base, config = base_and_recipe(quick, Path(tmp))
+        base, config = base_and_recipe(quick, Path(tmp), overrides)
         steps = config.steps if quick else int(os.environ.get("RTRL_BENCH_STEPS", STEPS))
         eval_tasks = 4 if quick else int(os.environ.get("RTRL_BENCH_EVAL_TASKS", EVAL_TASKS))
         bound = max(1, config.max_staleness)

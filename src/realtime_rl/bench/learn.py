@@ -14,7 +14,8 @@ trains on (train split, indices the base's pre-training never generated; `None` 
 no pretrain.json to say which): whether RL learned at all, apart from whether that transfers.
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
-`RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model.
+`RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model; `--set KEY=VALUE`
+changes the recipe (`rtrl bench learn --set rl.lr_decay_steps=80`; the result records it).
 `base_passed_bits` / `rl_passed_bits` say which held-out tasks passed, in task order.
 `train_curve_10_steps` has the run's pass rate, reward, malformed calls per episode, entropy and KL to the
 reference, averaged over each 10 steps.
@@ -30,6 +31,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +99,18 @@ def behaviour(report: dict[str, Any]) -> dict[str, Any]:
             "malformed_tool_calls": report["malformed_tool_calls"], "mean_turns": report["mean_turns"]}
 
 
-def base_and_recipe(quick: bool, tmp: Path) -> tuple[Path, TrainConfig]:
-    overrides = []
-    if quick:
-        overrides += ["steps=2", "rl.group_size=2", "rl.groups_per_step=2", "rollout.episodes_in_flight=4",
-                      "rollout.agent.max_turns=2", "rollout.agent.max_new_tokens=32"]
+def base_and_recipe(quick: bool, tmp: Path, overrides: Sequence[str] = ()) -> tuple[Path, TrainConfig]:
+    """The base model and the RL recipe (configs/train/default.toml, then the quick sizes, then `overrides`).
+    The recipe is read first, so a bad override fails before a base model is built."""
+    sizes = ["steps=2", "rl.group_size=2", "rl.groups_per_step=2", "rollout.episodes_in_flight=4",
+             "rollout.agent.max_turns=2", "rollout.agent.max_new_tokens=32"] if quick else []
+    config = load_config(TrainConfig, CONFIGS / "train" / "default.toml", [*sizes, *overrides])
     if os.environ.get("RTRL_BENCH_BASE"):
         base = Path(os.environ["RTRL_BENCH_BASE"])
     elif quick:
         base = smoke_base(tmp / "base")
     else:
         base = ensure_base_model(load_config(PretrainConfig, CONFIGS / "pretrain" / "default.toml"))
-    config = load_config(TrainConfig, CONFIGS / "train" / "default.toml", overrides)
     return base, config.model_copy(update={"base_checkpoint": base, "run_dir": tmp / "train"})
 
 
@@ -133,10 +135,10 @@ def passed_bits(report: dict[str, Any]) -> str:
     return "".join("1" if r["passed"] else "0" for r in report["per_task"])
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-learn-") as tmp:
         t0 = time.perf_counter()
-        base, config = base_and_recipe(quick, Path(tmp))
+        base, config = base_and_recipe(quick, Path(tmp), overrides)
         base_build_minutes = (time.perf_counter() - t0) / 60
         difficulty = config.rollout.max_difficulty
         num_tasks, num_train = (4, 4) if quick else (EVAL_TASKS, TRAIN_STRUCTURE_TASKS)
