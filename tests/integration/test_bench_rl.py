@@ -45,14 +45,15 @@ def test_unseen_train_tasks_start_past_what_pretraining_generated(tmp_path):
 
 
 def test_recipe_overrides_come_after_the_quick_sizes(tmp_path, monkeypatch):
-    from realtime_rl.bench.learn import base_and_recipe
+    from realtime_rl.bench.learn import CONFIGS, base_and_recipe
+    from realtime_rl.config import TrainConfig, load_config
 
     monkeypatch.setenv("RTRL_BENCH_BASE", str(tmp_path / "base"))  # named, not built: nothing loads it here
     base, config = base_and_recipe(True, tmp_path, ["steps=3", "rl.lr_decay_steps=40"])
     assert base == tmp_path / "base" and config.base_checkpoint == base and config.run_dir == tmp_path / "train"
     assert config.steps == 3 and config.rl.lr_decay_steps == 40 and config.rl.group_size == 2  # quick size kept
-    _, recipe = base_and_recipe(False, tmp_path)
-    assert recipe.rl.lr_decay_steps is None and recipe.steps > 3  # the recipe itself, unchanged
+    _, recipe = base_and_recipe(False, tmp_path)  # the recipe itself, unchanged
+    assert recipe.rl == load_config(TrainConfig, CONFIGS / "train" / "default.toml").rl and recipe.steps > 3
 
 
 @pytest.mark.slow

@@ -157,7 +157,7 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float)
     config = config.model_copy(update={
         "base_checkpoint": base, "run_dir": run_dir, "steps": steps, "max_minutes": budget,
         "checkpoint_keep": steps + 1,
-        "rl": config.rl.model_copy(update={"lr": LR, "group_size": setup.group_size,
+        "rl": config.rl.model_copy(update={"lr": LR, "lr_decay_steps": None, "group_size": setup.group_size,
                                            "groups_per_step": setup.tasks_per_step,
                                            "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0, "ppo_epochs": 1,
                                            "minibatches": 1, "negative_weight": 1.0, "std_normalize": True,
