@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and write its metrics",
                            description="benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
     bench.add_argument("name", choices=sorted(BENCHMARKS))
-    bench.add_argument("--json", type=Path, help="write {name, metrics, env} to this file")
+    bench.add_argument("--json", type=Path, help="write {name, metrics, overrides, env} to this file")
     bench.add_argument("--quick", action="store_true", help="a short run (CI-sized)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field of the RL recipe the benchmark runs (learn, async: "

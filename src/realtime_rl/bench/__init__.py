@@ -1,8 +1,8 @@
 """The code behind `rtrl bench NAME`: each benchmark is a module with `run(quick) -> metrics`
 (`run(quick, overrides)` for those that run the RL recipe).
 
-`run_benchmark` wraps the metrics as `{"name", "metrics", "overrides", "env"}`; benchmarks/BENCHMARKS.md records
-the figures with the command, machine and date. Nothing in the runtime package imports this.
+`run_benchmark` wraps the metrics as `{"name", "metrics", "overrides", "env"}`; benchmarks/BENCHMARKS.md
+records the figures with the command, machine and date. Nothing in the runtime package imports this.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ BENCHMARKS = {
     "ingest": "durable feedback events/s over HTTP into `rtrl serve` (SQLite, Postgres) with retries: lost, duplicated",
 }
 RECIPE_BENCHMARKS = ("learn", "async")
-"""The benchmarks that run the RL recipe (configs/train/default.toml); `--set KEY=VALUE` changes it for them."""
+"""The benchmarks that run the RL recipe (configs/train/default.toml); `--set KEY=VALUE` changes it there."""
 
 
 def environment() -> dict[str, Any]:
@@ -66,5 +66,6 @@ def run_benchmark(name: str, quick: bool = False, overrides: list[str] | None = 
         raise ValueError(f"benchmark {name!r} runs no RL recipe, so --set has nothing to change "
                          f"(it applies to {', '.join(RECIPE_BENCHMARKS)})")
     module = importlib.import_module(f"realtime_rl.bench.{name.replace('-', '_')}")
-    metrics = module.run(quick=quick, overrides=overrides) if name in RECIPE_BENCHMARKS else module.run(quick=quick)
+    recipe = {"overrides": overrides} if name in RECIPE_BENCHMARKS else {}
+    metrics = module.run(quick=quick, **recipe)
     return {"name": name, "metrics": metrics, "overrides": overrides, "env": environment()}
