@@ -15,7 +15,7 @@ no pretrain.json to say which): whether RL learned at all, apart from whether th
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model; `--set KEY=VALUE`
-changes the recipe (`rtrl bench learn --set rl.lr_decay_steps=80`; the result records it).
+changes the recipe (`rtrl bench learn --set rl.kl_coef=0`; the result records it).
 `base_passed_bits` / `rl_passed_bits` say which held-out tasks passed, in task order.
 `train_curve_10_steps` has the run's pass rate, reward, malformed calls per episode, entropy and KL to the
 reference, averaged over each 10 steps.
