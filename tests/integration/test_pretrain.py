@@ -75,8 +75,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     long = dict(steps=24, checkpoint_every=4, log_every=4)  # the kill lands long before the end
     pretrain(tiny(whole, **long), show_progress=False)
-    # Test-run observations carry timings ("passed in 0.01s"), so two corpus builds can differ by a
-    # token; a resumed run reads its cached corpus, so the second run starts from the same cache.
+    # A corpus build runs real sandboxed tests, whose outcome can hinge on load (a timeout); a resumed
+    # run reads its cached corpus, so the second run starts from the same cache.
     killed.mkdir()
     for corpus in whole.glob("corpus-*"):
         shutil.copytree(corpus, killed / corpus.name)

@@ -47,7 +47,7 @@ from realtime_rl.environments.tools import QUESTION_TOOL, TOOL_SCHEMAS, Tools, W
 from realtime_rl.environments.users import EditOutcome, UserProfile, followup_messages, react, read_answer
 from realtime_rl.model import Tokenizer, parse_assistant, render_messages
 
-CORPUS_FORMAT = 3
+CORPUS_FORMAT = 4  # 4: test-run observations carry no wall time (the warm runner prints none)
 """Bumped whenever the documents change for the same config (the corpus cache key includes it)."""
 RENAME_FRACTION = 0.5
 """Share of tasks whose function gets a random name (see `renamed`)."""

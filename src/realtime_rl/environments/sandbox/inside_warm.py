@@ -146,7 +146,6 @@ def format_failure(etype, value, tb) -> str:
 
 def run_light(test_files: list, report_fd: int) -> int:
     """Run the tests; write {passed, failed, errors, skipped, exit_code, fallback} to report_fd."""
-    start = time.perf_counter()
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "fallback": None}
     try:
         modules = []
@@ -192,8 +191,9 @@ def run_light(test_files: list, report_fd: int) -> int:
                 counts["passed"] += 1
         code = 1 if counts["failed"] else code
     summary = ", ".join(f"{counts[k]} {k}" for k in ("failed", "passed", "skipped", "errors") if counts[k])
-    took = time.perf_counter() - start
-    print(f"{'=' * 10} {summary or 'no tests ran'} in {took:.2f}s (warm runner) {'=' * 10}")
+    # No wall time here (pytest prints one): the output is an observation the model reads and the
+    # pre-training corpus records, so it must be a function of the code alone; duration_s has the time.
+    print(f"{'=' * 10} {summary or 'no tests ran'} (warm runner) {'=' * 10}")
     sys.stdout.flush()
     inside.write_message(report_fd, {**counts, "exit_code": code})
     return code
