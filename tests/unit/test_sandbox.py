@@ -7,6 +7,7 @@ whichever the probe reaches); nothing is mocked.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -190,6 +191,19 @@ def test_warm_pool_is_thread_safe(pool):
     with ThreadPoolExecutor(4) as ex:
         reports = list(ex.map(lambda _: pool.run_tests(files, ["test_sol.py"]), range(24)))
     assert all((r.passed, r.failed, r.warm) == (1, 1, True) for r in reports)
+
+
+def test_warm_output_is_a_function_of_the_code(pool):
+    """The output is an observation the policy reads and the pre-training corpus records: no wall time in it,
+    so two runs of the same files print the same bytes (the run's duration_s keeps the time)."""
+    files = {"sol.py": "def f():\n    return 1\n",
+             "test_sol.py": "import time\n\nfrom sol import f\n\ndef test_a():\n    time.sleep(0.05)\n"
+                            "    assert f() == 1\n\ndef test_b():\n    assert f() == 2\n"}
+    first, second = (pool.run_tests(files, ["test_sol.py"]) for _ in range(2))
+    assert first.warm and (first.passed, first.failed) == (1, 1)
+    assert first.output == second.output and "(warm runner)" in first.output
+    assert not re.search(r"\d\.\d+ ?s\b", first.output), first.output
+    assert first.run.duration_s >= 0.05
 
 
 def test_warm_slot_survives_a_hang_and_a_killed_slot(pool):
