@@ -16,15 +16,18 @@ import torch
 
 from realtime_rl.config import AgentConfig, RLConfig, RolloutConfig, TrainConfig
 from realtime_rl.rollout import TrajectoryLog, train
+from realtime_rl.rollout.base import groups_per_worker
 
 AGENT = AgentConfig(max_turns=2, max_new_tokens=24, summary_trigger_tokens=3072, max_context_tokens=4096)
 
 
-def _config(run_dir: Path, base: Path, backend: str = "local", steps: int = 3, max_staleness: int = 1) -> TrainConfig:
+def _config(run_dir: Path, base: Path, backend: str = "local", steps: int = 3, max_staleness: int = 1,
+            queued_groups: int = 0) -> TrainConfig:
     # The malformed-call penalty gives an untrained model's episodes different rewards, so steps really update.
     return TrainConfig(run_dir=run_dir, base_checkpoint=base, steps=steps, max_staleness=max_staleness,
                        rl=RLConfig(group_size=2, groups_per_step=2, malformed_penalty=0.5, lr=1e-3),
-                       rollout=RolloutConfig(backend=backend, episodes_in_flight=4, max_difficulty=1, agent=AGENT))
+                       rollout=RolloutConfig(backend=backend, episodes_in_flight=4, max_difficulty=1, agent=AGENT,
+                                             queued_groups=queued_groups))
 
 
 def _state(run_dir: Path) -> dict:
@@ -42,7 +45,10 @@ def _check_run(run_dir: Path, summary: dict, steps: int, max_staleness: int) -> 
 
 
 def test_local_pipeline_trains_within_the_staleness_bound(tmp_path, tiny_checkpoint):
-    summary = train(_config(tmp_path / "run", tiny_checkpoint), show_progress=False)
+    # One group queued beyond the two the worker's 4 episodes in flight run: its episodes wait for a free thread.
+    config = _config(tmp_path / "run", tiny_checkpoint, queued_groups=1)
+    assert groups_per_worker(config.rollout, config.rl.group_size) == 3
+    summary = train(config, show_progress=False)
     _check_run(tmp_path / "run", summary, steps=3, max_staleness=1)
     assert summary["dropped_stale_groups"] == 0
     for h in summary["history"]:

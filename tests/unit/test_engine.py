@@ -13,6 +13,7 @@ from realtime_rl.engine import AsyncEngine, Engine, EngineOverloaded, SamplingPa
 from realtime_rl.model import Qwen3ForCausalLM, generate
 from tests.conftest import tiny_config
 
+CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
@@ -41,14 +42,19 @@ def test_batched_greedy_matches_the_reference_decoder_token_for_token(moe):
         assert s.logprobs == [0.0] * 10 and s.finish_reason == "length"
 
 
-@pytest.mark.parametrize("window_span", [2, 1], ids=["window-view", "gathered"])
-def test_rows_in_scattered_slots_decode_exactly(moe, monkeypatch, window_span):
+@pytest.mark.parametrize("way", ["view", "rows", "gather"])
+def test_rows_in_scattered_slots_decode_exactly(moe, monkeypatch, way):
     """Short requests retire first and leave free slots between the long ones: the decode batch then reads
-    its prefixes through a slot window (or, past the span, gathers them), and nothing changes."""
-    from realtime_rl.engine import slots as slots_module
-    from realtime_rl.model.kv_cache import KVCache, SlotWindow
+    its prefixes through a slot window, row by row or gathered, and nothing changes."""
+    import realtime_rl.engine.engine as engine_module
+    from realtime_rl.engine.slots import slot_view
+    from realtime_rl.model.kv_cache import KVCache, SlotRows, SlotWindow
 
-    monkeypatch.setattr(slots_module, "WINDOW_SPAN", window_span)
+    ways = {"view": lambda slots, lengths: slot_view(slots, CPU),
+            "rows": lambda slots, lengths: SlotRows(list(slots), list(lengths)),
+            "gather": lambda slots, lengths: torch.tensor(list(slots))}
+    monkeypatch.setattr(engine_module, "decode_slots",
+                        lambda slots, lengths, gather, device: ways[way](slots, lengths))
     seen, begin = [], KVCache.begin
 
     def spy(self, slots, *args, **kwargs):
@@ -66,7 +72,8 @@ def test_rows_in_scattered_slots_decode_exactly(moe, monkeypatch, window_span):
         assert s.token_ids == ref.token_ids
         torch.testing.assert_close(torch.tensor(s.raw_logprobs), torch.tensor(ref.raw_logprobs), atol=1e-5, rtol=0)
         assert (s.routing == ref.routing_TLK.numpy()).all()
-    assert (SlotWindow in seen) == (window_span == 2)
+    assert (SlotWindow in seen) == (way == "view")  # rows 1, 3, 5 run on after the others retire
+    assert (SlotRows in seen) == (way == "rows")
 
 
 def test_raw_and_sampled_logprobs_are_those_of_the_model(moe):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from realtime_rl.engine.slots import SlotTable, decode_slots
-from realtime_rl.model.kv_cache import SlotWindow
+from realtime_rl.model.kv_cache import SlotRows, SlotWindow
 
 CPU = torch.device("cpu")
 
@@ -80,10 +80,17 @@ def test_bad_age_is_rejected():
         table(max_age=-1)
 
 
-def test_decode_batch_addresses_consecutive_slots_as_a_view_sparse_ones_by_window_or_gather():
-    assert decode_slots([4, 5, 6], gather=False, device=CPU) == 4
-    window = decode_slots([4, 5, 7], gather=False, device=CPU)
+def test_decode_batch_reads_the_cache_the_cheapest_way():
+    # Consecutive slots of equal lengths: a view, nothing padded.
+    assert decode_slots([4, 5, 6], [900, 900, 900], gather=False, device=CPU) == 4
+    # One free slot among short rows of equal lengths: padding one row costs less than a call per row.
+    window = decode_slots([4, 5, 7], [200, 200, 200], gather=False, device=CPU)
     assert isinstance(window, SlotWindow) and (window.start, window.size) == (4, 4)
     assert window.offsets.tolist() == [0, 1, 3]
-    assert decode_slots([0, 9], gather=False, device=CPU).tolist() == [0, 9]  # spans 10 for 2 rows: gathered
-    assert decode_slots([4, 5, 6], gather=True, device=CPU).tolist() == [4, 5, 6]
+    # Agent episodes: lengths thousands of tokens apart; padding every row to the longest costs more.
+    rows = decode_slots([4, 5, 7], [300, 2500, 800], gather=False, device=CPU)
+    assert isinstance(rows, SlotRows) and rows.slots == [4, 5, 7] and rows.lengths == [300, 2500, 800]
+    # Short rows far apart: copying two short prefixes beats two calls or a window of ten slots.
+    assert decode_slots([0, 9], [40, 40], gather=False, device=CPU).tolist() == [0, 9]
+    # A compiled decode graph always gathers.
+    assert decode_slots([4, 5, 6], [300, 2500, 800], gather=True, device=CPU).tolist() == [4, 5, 6]

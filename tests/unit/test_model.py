@@ -168,3 +168,29 @@ def test_contiguous_slot_slice_reads_the_same_cache(tiny_policy):
         by_slice = tiny_policy(ids, pos, kv_cache=b, cache_slots=slice(1, 4)).logits_BTV
     assert torch.equal(by_index, by_slice)
     assert torch.equal(a.k_LSHPD[0], b.k_LSHPD[0])
+
+
+def test_slot_rows_decode_reads_each_rows_own_prefix(tiny_policy):
+    """Rows of different lengths in scattered slots: one attention call per row over exactly its keys gives
+    the logits and keys/values of the padded, masked gather (to float rounding: sums run in another order)."""
+    from realtime_rl.model.kv_cache import SlotRows
+
+    lengths = [3, 9, 6]
+    slots = [0, 2, 4]
+    caches = [KVCache(tiny_policy.config, num_slots=5, max_seq_len=16) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            for slot, n in zip(slots, lengths):  # prefill each row's prompt, all but its last token
+                tiny_policy(_ids(1, n - 1, seed=slot), torch.arange(n - 1)[None], kv_cache=cache,
+                            cache_slots=torch.tensor([slot]))
+        last = _ids(3, 1, seed=9)
+        pos = torch.tensor(lengths)[:, None] - 1
+        gathered = tiny_policy(last, pos, kv_cache=caches[0], cache_slots=torch.tensor(slots)).logits_BTV
+        by_row = tiny_policy(last, pos, kv_cache=caches[1], cache_slots=SlotRows(slots, lengths)).logits_BTV
+    torch.testing.assert_close(by_row, gathered, atol=1e-5, rtol=0)
+    assert torch.equal(caches[0].k_LSHPD[0], caches[1].k_LSHPD[0])  # layer 0's new keys precede any attention
+    for k0, k1 in zip(caches[0].k_LSHPD[1:], caches[1].k_LSHPD[1:]):
+        torch.testing.assert_close(k0, k1, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="decode"):
+        tiny_policy(_ids(3, 2), torch.zeros(3, 2, dtype=torch.long), kv_cache=caches[1],
+                    cache_slots=SlotRows(slots, lengths))

@@ -7,8 +7,10 @@ and 32. Ours runs twice: with the compiled decode step (`tokens_per_s`, `speedup
 engine's warm-up took (`compile_s`), the throughput cost of MoE routing capture, the pause of a hot
 weight swap made while a batch-32 decode is running, and one eager decode step at agent-episode lengths
 with the rows in scattered slots (28 of 32, 1,500-2,000 cached tokens each, what continuous batching
-over agent episodes leaves), read through a slot window (`scattered_window_ms`, what the engine does)
-and gathered row by row (`scattered_gather_ms`, what it did before).
+over agent episodes leaves), read through a slot window (`scattered_window_ms`), gathered
+(`scattered_gather_ms`) and row by row (`scattered_rows_ms`); and the same for a ragged batch as a
+rollout worker's engine runs one (14 rows in slots 0-27, 300-3,000 cached tokens each: `ragged_*_ms`,
+`ragged_rows_speedup` against the window, which the engine used before it chose by cost).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from realtime_rl.config import ModelConfig
 from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, save_checkpoint
-from realtime_rl.model.kv_cache import SlotWindow
+from realtime_rl.model.kv_cache import SlotRows, SlotWindow
 
 BATCHES = (1, 8, 32)
 
@@ -93,11 +95,11 @@ def swap_pause_ms(model: Qwen3ForCausalLM, batch: int, new_tokens: int, repeats:
 
 
 def scattered_decode_ms(model: Qwen3ForCausalLM, repeats: int, slots: int = 32,
-                        free: tuple[int, ...] = (3, 9, 17, 25), context: tuple[int, int] = (1500, 2000)
-                        ) -> dict[str, float]:
-    """One decode step (ms, median of `repeats` timings of 10 steps) over rows in scattered KV-cache slots,
-    through a slot window and gathered; the cache holds random keys/values (the step's cost does not
-    depend on them)."""
+                        free: tuple[int, ...] = (3, 9, 17, 25), context: tuple[int, int] = (1500, 2000),
+                        name: str = "scattered") -> dict[str, float]:
+    """One decode step (ms, median of `repeats` timings of 10 steps) over rows in scattered KV-cache slots
+    with random lengths in `context`, through a slot window, gathered and row by row; the cache holds random
+    keys/values (the step's cost does not depend on them)."""
     rows = [s for s in range(slots) if s not in free]
     cache = KVCache(model.config, slots, context[1] + 1)
     for t in cache.k_LSHPD + cache.v_LSHPD:
@@ -107,16 +109,16 @@ def scattered_decode_ms(model: Qwen3ForCausalLM, repeats: int, slots: int = 32,
     positions = torch.randint(context[0], context[1], (len(rows), 1), generator=gen)
     length = int(positions.max()) + 1
     ways = {"window": SlotWindow(rows[0], rows[-1] - rows[0] + 1, torch.tensor(rows) - rows[0]),
-            "gather": torch.tensor(rows)}
-    times: dict[str, list[float]] = {name: [] for name in ways}
+            "gather": torch.tensor(rows), "rows": SlotRows(rows, (positions[:, 0] + 1).tolist())}
+    times: dict[str, list[float]] = {way: [] for way in ways}
     with torch.no_grad():
-        for _ in range(repeats):  # alternate, so that load on the machine hits both alike
-            for name, way in ways.items():
+        for _ in range(repeats):  # alternate, so that load on the machine hits all alike
+            for way, slots_arg in ways.items():
                 t0 = time.perf_counter()
                 for _ in range(10):
-                    model(ids, positions, kv_cache=cache, cache_slots=way, cache_length=length)
-                times[name].append((time.perf_counter() - t0) / 10 * 1e3)
-    return {f"scattered_{name}_ms": statistics.median(t) for name, t in times.items()}
+                    model(ids, positions, kv_cache=cache, cache_slots=slots_arg, cache_length=length)
+                times[way].append((time.perf_counter() - t0) / 10 * 1e3)
+    return {f"{name}_{way}_ms": statistics.median(t) for way, t in times.items()}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -168,4 +170,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics["swap_pause_ms"] = swap_pause_ms(model, batch=b, new_tokens=new_tokens)
     metrics |= scattered_decode_ms(model, repeats=2 if quick else 5)
     metrics["scattered_window_speedup"] = metrics["scattered_gather_ms"] / metrics["scattered_window_ms"]
+    ragged_free = tuple(s for s in range(32) if s % 2 or s >= 28)  # 14 rows in slots 0, 2, ..., 26
+    metrics |= scattered_decode_ms(model, repeats=2 if quick else 5, free=ragged_free, context=(300, 3000),
+                                   name="ragged")
+    metrics["ragged_rows_speedup"] = metrics["ragged_window_ms"] / metrics["ragged_rows_ms"]
     return metrics

@@ -139,6 +139,10 @@ class RolloutConfig(StrictModel):
     """Rollout worker processes (or actors), each with its own engine and sandbox pool."""
     episodes_in_flight: int = Field(16, ge=1, le=4096)
     """Episodes each worker runs concurrently (they share the worker's engine batch)."""
+    queued_groups: int = Field(0, ge=0, le=4096)
+    """Groups each worker holds beyond those its episodes in flight run at once: their episodes start as
+    episodes of earlier groups finish, so a group's last long episodes do not leave the engine's batch
+    nearly empty. Within the staleness bound (admission still asks StalenessBuffer.may_start)."""
     threads_per_worker: int = Field(1, ge=1, le=256)
     """torch threads in each worker."""
     max_difficulty: int = Field(2, ge=1, le=4)

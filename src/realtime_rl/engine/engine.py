@@ -50,7 +50,7 @@ import torch
 from realtime_rl.engine.sampling import SamplingParams
 from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
-from realtime_rl.model.kv_cache import SlotWindow
+from realtime_rl.model.kv_cache import SlotRows, SlotWindow
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 
@@ -305,7 +305,8 @@ class Engine:
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)[:, None]
-        slots = decode_slots([s.slot for s in seqs], gather=self.compile_decode, device=self.device)
+        slots = decode_slots([s.slot for s in seqs], [p + 1 for p in pos], gather=self.compile_decode,
+                             device=self.device)
         with torch.no_grad():
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
         if routing_BTLK is not None:
@@ -315,9 +316,10 @@ class Engine:
         self._sample(seqs, logits_BV)
 
     def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor,
-                     slots: torch.Tensor | int | SlotWindow, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     slots: torch.Tensor | int | SlotWindow | SlotRows, length: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode forward: logits of each row's last position, and the routing it used. `slots`: each
-        row's slot, the first of consecutive ones, or the window they lie in."""
+        row's slot, the first of consecutive ones, the window they lie in, or each row's slot and length."""
         if isinstance(slots, int):
             slots = slice(slots, slots + ids_BT.shape[0])
         out = self.model(ids_BT, positions_BT, kv_cache=self.cache, cache_slots=slots,

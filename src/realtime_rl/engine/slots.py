@@ -3,7 +3,7 @@
     slots = SlotTable(32, version=0, prefix_caching=True, prefix_max_age=2, need_routing=True)
     slot, hit = slots.take(prompt_ids, version)       # hit: leading prompt tokens its cache already holds
     slots.release(slot, tokens, prompt_len, routing)   # free again; the cache stays for the next taker
-    batch = decode_slots([3, 4, 6], gather=False, device=device)   # how one decode step reads them
+    batch = decode_slots([3, 4, 6], [900, 40, 2100], gather=False, device=device)  # how a decode step reads
 
 A freed slot keeps the keys/values of every token its sequence fed the model, and their MoE routing, until
 it is reused. `take` gives a request the free slot whose cache shares the longest prefix with its prompt,
@@ -20,12 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from realtime_rl.model.kv_cache import SlotWindow
+from realtime_rl.model.kv_cache import SlotRows, SlotWindow
 
-WINDOW_SPAN = 2
-"""A decode batch whose slots span at most this many times its rows attends over the span as a view (the
-free slots' rows padded); a sparser one gathers each row's prefix. Gathering copies every row's prefix
-in every layer; padding computes attention for rows nobody reads."""
+ROW_CALL_POSITIONS = 300
+"""One attention call per row (SlotRows) costs about as much as attending over this many more key positions
+(on CPU, one thread: ~10 us a call against ~30 ns a row-position)."""
+GATHER_COST = 2
+"""Gathering copies every row's prefix in every layer: about as costly again as attending over it."""
 
 
 class SlotTable:
@@ -103,14 +104,30 @@ class SlotTable:
             self.routing[slot] = routing
 
 
-def decode_slots(slots: Sequence[int], gather: bool, device: torch.device) -> torch.Tensor | int | SlotWindow:
-    """How a decode batch whose rows run in `slots` (ascending) reads the cache: the first slot when they are
-    consecutive (a view), the window they lie in when it spans at most WINDOW_SPAN times the rows, else
-    (and always when `gather`: a compiled graph that reads a view specialises on the batch size) each row's
-    slot, gathered."""
-    span = slots[-1] - slots[0] + 1
-    if gather or span > WINDOW_SPAN * len(slots):
+def decode_slots(slots: Sequence[int], lengths: Sequence[int], gather: bool, device: torch.device
+                 ) -> torch.Tensor | int | SlotWindow | SlotRows:
+    """How a decode batch whose rows run in `slots` (ascending) with `lengths` cached keys each (position + 1)
+    reads the cache, whichever costs the fewest key positions attended (padding included): as a view of
+    the slots they span (the first slot when consecutive, else their window: every row padded to the longest
+    and the free slots' rows computed and dropped), row by row (`SlotRows`: exactly each row's own keys,
+    plus a call per row), or gathered (a copy of each row's prefix, padded to the longest: the only way when
+    `gather`, since a compiled graph that reads a view specialises on the batch size)."""
+    if gather:
         return torch.tensor(list(slots), device=device)
+    rows, longest = len(slots), max(lengths)
+    span = slots[-1] - slots[0] + 1
+    view, gathered = span * longest, GATHER_COST * rows * longest
+    by_row = sum(lengths) + ROW_CALL_POSITIONS * rows
+    if view <= min(by_row, gathered):
+        return slot_view(slots, device)
+    if by_row <= gathered:
+        return SlotRows(list(slots), list(lengths))
+    return torch.tensor(list(slots), device=device)
+
+
+def slot_view(slots: Sequence[int], device: torch.device) -> int | SlotWindow:
+    """The view of ascending `slots`: the first one when they are consecutive, else the window they lie in."""
+    span = slots[-1] - slots[0] + 1
     if span == len(slots):
         return slots[0]
     return SlotWindow(slots[0], span, torch.tensor([s - slots[0] for s in slots], device=device))

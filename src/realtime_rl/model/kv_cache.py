@@ -9,8 +9,11 @@ position, so rows of different lengths share one batched decode step. Rows in co
 their prefixes as a view; so do rows in a `SlotWindow` (ascending slots with a few free ones between
 them, what continuous batching leaves): attention runs over every slot of the window, the free slots'
 rows padded and dropped, instead of gathering a copy of each row's prefix in every layer (on CPU that
-copy was the largest cost of a decode step at agent-episode lengths). Freeing a slot is free: the next
-sequence that gets it overwrites positions from 0 and never attends past its own position.
+copy was the largest cost of a decode step at agent-episode lengths). A decode step may instead give
+`SlotRows`: each row attends over exactly its own prefix, one attention call per row on a view of its
+slot, neither padded to the batch's longest row nor copied (agent episodes in flight differ in length by
+thousands of tokens; the engine picks whichever way costs least, engine/slots.py). Freeing a slot is free:
+the next sequence that gets it overwrites positions from 0 and never attends past its own position.
 
 Not here: paging, prefix sharing between slots (the engine copies a prefix with `copy_prefix`).
 """
@@ -43,13 +46,13 @@ class KVCache:
         self.k_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.v_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
-    def begin(self, slots: torch.Tensor | slice | SlotWindow, positions_BT: torch.Tensor,
+    def begin(self, slots: torch.Tensor | slice | SlotWindow | SlotRows, positions_BT: torch.Tensor,
               length: int | None = None) -> CacheStep:
         """Start one forward over the cache: the prefix length, row indices and mask, once for all layers.
 
         `slots` is a LongTensor [B] of slot ids (each layer gathers the rows' prefixes), a `slice` of
-        consecutive slots in row order or a `SlotWindow` (each layer reads the prefixes as a view; the engine
-        passes one of those when it can).
+        consecutive slots in row order or a `SlotWindow` (each layer reads the prefixes as a view), or, for a
+        decode step, `SlotRows` (each row reads its own prefix as a view, one attention call per row).
         `length` (default: the largest position + 1, read from the tensor) is the prefix every row reads;
         a caller that knows it passes it, which keeps a compiled forward free of data-dependent shapes.
         """
@@ -57,6 +60,12 @@ class KVCache:
             length = int(positions_BT.max()) + 1
         if length > self.max_seq_len:
             raise ValueError(f"position {length - 1} exceeds the KV cache length {self.max_seq_len}")
+        if isinstance(slots, SlotRows):
+            if positions_BT.shape[1] != 1 or len(slots.slots) != positions_BT.shape[0]:
+                raise ValueError(f"SlotRows is for decode: one position per row, got positions of shape "
+                                 f"{tuple(positions_BT.shape)} for {len(slots.slots)} slots")
+            rows_BT = torch.tensor(slots.slots, device=positions_BT.device)[:, None]
+            return CacheStep(self, slots, positions_BT, rows_BT, length, None)
         key_pos_S = torch.arange(length, device=positions_BT.device)
         query_pos_BT = positions_BT
         if isinstance(slots, SlotWindow):
@@ -90,6 +99,15 @@ class SlotWindow:
     """LongTensor [B]: each row's slot - start."""
 
 
+@dataclass(frozen=True)
+class SlotRows:
+    """Decode rows (one query each) in any slots, each reading exactly its own prefix: `lengths[i]` keys of
+    slot `slots[i]` (its position + 1)."""
+
+    slots: list[int]
+    lengths: list[int]
+
+
 class KVStep(Protocol):
     """What attention needs from a forward that reads keys/values beyond its own input positions."""
 
@@ -113,18 +131,28 @@ def masked_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.T
     return out_BKQD.view(B, H, T, D)
 
 
+def row_attention(q_1HTD: torch.Tensor, k_1KSD: torch.Tensor, v_1KSD: torch.Tensor) -> torch.Tensor:
+    """One row's attention over all of k/v (no mask: the caller passes exactly the keys it may see), its
+    query heads folded onto the key/value heads as in masked_attention."""
+    _, H, T, D = q_1HTD.shape
+    K = k_1KSD.shape[1]
+    out = F.scaled_dot_product_attention(q_1HTD.reshape(1, K, H // K * T, D), k_1KSD, v_1KSD)
+    return out.view(1, H, T, D)
+
+
 @dataclass
 class CacheStep:
     """One forward's view of the cache: every layer writes its new keys/values and reads the prefix."""
 
     cache: KVCache
-    slots: torch.Tensor | slice | SlotWindow
+    slots: torch.Tensor | slice | SlotWindow | SlotRows
     positions_BT: torch.Tensor
     rows_BT: torch.Tensor
     """The slot each new key/value goes to."""
     length: int
-    mask_B1TS: torch.Tensor
-    """Key position <= query position: what each query may attend to (a window's rows: every slot in it)."""
+    mask_B1TS: torch.Tensor | None
+    """Key position <= query position: what each query may attend to (a window's rows: every slot in it;
+    None for SlotRows, whose rows read exactly their own keys)."""
 
     def attend(self, layer_idx: int, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
                ) -> torch.Tensor:
@@ -133,6 +161,11 @@ class CacheStep:
         k_cache[self.rows_BT, :, self.positions_BT] = k_BHTD.transpose(1, 2).to(k_cache.dtype)
         v_cache[self.rows_BT, :, self.positions_BT] = v_BHTD.transpose(1, 2).to(v_cache.dtype)
         slots = self.slots
+        if isinstance(slots, SlotRows):
+            rows = enumerate(zip(slots.slots, slots.lengths, strict=True))
+            return torch.cat([row_attention(q_BHTD[b : b + 1], k_cache[s : s + 1, :, :n],
+                                            v_cache[s : s + 1, :, :n]) for b, (s, n) in rows])
+        assert self.mask_B1TS is not None
         if isinstance(slots, SlotWindow):
             window = slice(slots.start, slots.start + slots.size)
             q_WHTD = q_BHTD.new_zeros((slots.size, *q_BHTD.shape[1:])).index_copy(0, slots.offsets, q_BHTD)

@@ -23,8 +23,9 @@ def publish_dtype(config: RolloutConfig) -> torch.dtype:
 
 
 def groups_per_worker(config: RolloutConfig, group_size: int) -> int:
-    """Groups one worker runs at once: as many as its episodes in flight hold (at least one)."""
-    return max(1, config.episodes_in_flight // group_size)
+    """Groups one worker holds at once: as many as its episodes in flight run (at least one), plus the
+    queued ones, whose episodes wait for a free episode thread."""
+    return max(1, config.episodes_in_flight // group_size) + config.queued_groups
 
 
 class RolloutBackend(ABC):
