@@ -194,3 +194,41 @@ def test_slot_rows_decode_reads_each_rows_own_prefix(tiny_policy):
     with pytest.raises(ValueError, match="decode"):
         tiny_policy(_ids(3, 2), torch.zeros(3, 2, dtype=torch.long), kv_cache=caches[1],
                     cache_slots=SlotRows(slots, lengths))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["two-calls", "masked"])
+def test_prefix_attention_is_one_softmax_over_prefix_and_own_keys(monkeypatch, split):
+    """Rows continuing a shared prefix: outputs and every gradient (the prefix's summed over rows) equal one
+    attention over [prefix | own keys] with the lower-right causal mask, on the CPU path of two merged calls
+    and on the masked fallback."""
+    from realtime_rl.model import shared_prefix
+
+    if not split:
+        monkeypatch.setattr(shared_prefix, "_flash_cpu", None)
+    B, H, K, T, P, D = 3, 4, 2, 9, 6, 8
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, D, generator=g, requires_grad=True)
+    k_pre, v_pre = (torch.randn(1, K, P, D, generator=g, requires_grad=True) for _ in range(2))
+    k_own, v_own = (torch.randn(B, K, T, D, generator=g, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(B, H, T, D, generator=g)
+    leaves = (q, k_pre, v_pre, k_own, v_own)
+
+    def run(fn):
+        for t in leaves:
+            t.grad = None
+        out = fn()
+        (out * upstream).sum().backward()
+        return [out.detach()] + [t.grad.clone() for t in leaves]
+
+    k_rows, v_rows = k_pre.expand(B, -1, -1, -1), v_pre.expand(B, -1, -1, -1)
+    got = run(lambda: shared_prefix.prefix_attention(q, k_rows, v_rows, k_own, v_own))
+    mask = torch.ones(T, P + T, dtype=torch.bool).tril(P)
+    want = run(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([k_rows, k_own], 2), torch.cat([v_rows, v_own], 2), attn_mask=mask, enable_gqa=True))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # bf16 (the trainer's dtype on accelerators) tracks fp32
+        low = shared_prefix.prefix_attention(*(t.detach().bfloat16().expand(B, -1, -1, -1) if t.shape[0] == 1
+                                               else t.detach().bfloat16() for t in leaves))
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), want[0], atol=3e-2, rtol=3e-2)
