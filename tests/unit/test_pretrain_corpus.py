@@ -186,7 +186,7 @@ def test_prefix_cached_loss_equals_the_full_sequence_loss(tmp_path):
     (ids, mask), = batch_for_step(docs, 0, 4, seed=0, pad_id=pad, prefix_len=prefix_len)
     prefix = prefix_cache(model, torch.from_numpy(docs[0].token_ids[:prefix_len].astype(np.int64)))
     full = masked_next_token_loss(model, full_ids, full_mask)
-    cached = masked_next_token_loss(model, ids, mask, prefix, prefix_len)
+    cached = masked_next_token_loss(model, ids, mask, prefix)
     torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
     cached.backward()  # gradients reach the weights through the suffix
     assert all(p.grad is not None for p in model.parameters())

@@ -12,10 +12,11 @@ temporary name and renamed.
 
 Every document starts with the same system prompt and tool schemas (~700 tokens, most of an episode).
 Each step computes that shared prefix's keys and values once, without gradient, and runs the batch's
-suffixes on top of it through the KV cache: the suffixes' logits are exactly those of the full
+suffixes on top of it (model/shared_prefix.py): the suffixes' logits are exactly those of the full
 sequences, the prefix just passes no gradient (it carries no task information, so there is nothing in
-it to learn to read differently). The suffixes are sorted by length and cut into micro-batches of at
-most MICRO_BATCH_TOKENS, each padded to its own longest, so little compute goes to padding.
+it to learn to read differently). The LM head runs only where a token is trained. The suffixes are
+sorted by length and cut into micro-batches of at most MICRO_BATCH_TOKENS, each padded to its own
+longest, so little compute goes to padding.
 
 Not here: RL (rl.py), data parallelism, mixed precision on CPU.
 """
@@ -39,7 +40,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from realtime_rl.config import PretrainConfig, SandboxConfig
 from realtime_rl.environments import WarmPool
-from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
+from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
+from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.train.corpus import (
     CORPUS_FORMAT, Document, build_documents, build_followup_documents, build_write_documents, shared_prefix_length,
@@ -138,32 +140,27 @@ def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, 
 
 
 @torch.no_grad()
-def prefix_cache(model: Qwen3ForCausalLM, prefix_ids: torch.Tensor) -> KVCache:
-    """Keys and values of the shared prefix, one slot, no gradient."""
-    cache = KVCache(model.config, 1, max(1, len(prefix_ids)))
-    if len(prefix_ids):
-        model(prefix_ids[None], torch.arange(len(prefix_ids))[None], kv_cache=cache, cache_slots=slice(0, 1))
-    return cache
+def prefix_cache(model: Qwen3ForCausalLM, prefix_ids: torch.Tensor) -> SharedPrefix | None:
+    """Keys and values of the shared prefix (one row, no gradient); None for an empty prefix."""
+    if not len(prefix_ids):
+        return None
+    prefix = SharedPrefix()
+    model.hidden_states(prefix_ids[None], shared_prefix=prefix)
+    return prefix
 
 
 def masked_next_token_loss(model: Qwen3ForCausalLM, ids_BT: torch.Tensor, mask_BT: torch.Tensor,
-                           prefix: KVCache | None = None, prefix_len: int = 0, reduction: str = "mean"
-                           ) -> torch.Tensor:
+                           prefix: SharedPrefix | None = None, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of predicting each masked token from everything before it, the prefix included
     (mean, or sum for accumulating micro-batches)."""
     B, T = ids_BT.shape
-    if prefix_len == 0:
-        logits = model(ids_BT[:, :-1]).logits_BTV
-    else:
-        assert prefix is not None
-        cache = KVCache(model.config, B, prefix_len + T - 1)
-        for k, v, k0, v0 in zip(cache.k_LSHPD, cache.v_LSHPD, prefix.k_LSHPD, prefix.v_LSHPD):
-            k[:, :, :prefix_len] = k0[:1, :, :prefix_len]
-            v[:, :, :prefix_len] = v0[:1, :, :prefix_len]
-        positions = torch.arange(prefix_len, prefix_len + T - 1).expand(B, T - 1)
-        logits = model(ids_BT[:, :-1], positions, kv_cache=cache, cache_slots=slice(0, B)).logits_BTV
+    positions = None
+    if prefix is not None:
+        P = prefix.length or 0
+        positions = torch.arange(P, P + T - 1).expand(B, T - 1)
+    hidden_BTC, _ = model.hidden_states(ids_BT[:, :-1], positions, shared_prefix=prefix)
     target, keep = ids_BT[:, 1:], mask_BT[:, 1:]
-    return F.cross_entropy(logits[keep].float(), target[keep], reduction=reduction)
+    return F.cross_entropy(model.lm_head(hidden_BTC[keep]).float(), target[keep], reduction=reduction)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -240,7 +237,7 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             for ids, mask in micro:
-                loss = masked_next_token_loss(model, ids, mask, prefix, prefix_len, reduction="sum") / targets
+                loss = masked_next_token_loss(model, ids, mask, prefix, reduction="sum") / targets
                 loss.backward()
                 step_loss += loss.item()
                 window_tokens += int((ids != tokenizer.pad_token_id).sum())
