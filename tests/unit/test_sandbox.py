@@ -320,3 +320,28 @@ def test_threads_share_one_probe():
     for t in threads:
         t.join(timeout=60)
     assert len(seen) == 4 and all(p is seen[0] for p in seen)
+
+
+def test_grade_cache_runs_identical_workspaces_once(sandbox):
+    """Concurrent requests for one workspace make one sandboxed run and share its report; other files run
+    on their own; a run that timed out is never replayed."""
+    from realtime_rl.environments.grading import GradeCache
+
+    tests = {"test_add.py": "from calc import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"}
+    right = {"calc.py": "def add(a, b):\n    return a + b\n", **tests}
+    wrong = {"calc.py": "def add(a, b):\n    return a - b\n", **tests}
+    cache = GradeCache(sandbox)
+    with ThreadPoolExecutor(4) as ex:
+        reports = list(ex.map(lambda files: cache.run_tests(files, ["test_add.py"]), [right] * 4 + [wrong] * 2))
+    assert [r.ok for r in reports] == [True] * 4 + [False] * 2
+    assert (cache.runs, cache.hits) == (2, 4)
+    assert all(r is reports[0] for r in reports[:4])
+    assert cache.run_tests({**right, "calc.py": right["calc.py"] + "\n"}, ["test_add.py"]).ok  # a byte differs
+    assert cache.runs == 3
+    slow = {"calc.py": "import time\ntime.sleep(30)\n\ndef add(a, b):\n    return a + b\n", **tests}
+    first = cache.run_tests(slow, ["test_add.py"], timeout_s=1)
+    assert first.timed_out
+    assert cache.run_tests(slow, ["test_add.py"], timeout_s=1) is not first
+    assert cache.runs == 5
+    with pytest.raises(ValueError, match="max_entries"):
+        GradeCache(sandbox, max_entries=0)

@@ -43,6 +43,7 @@ import torch
 from realtime_rl.config import AgentConfig, SandboxConfig, TrainConfig, load_config
 from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, grade, load_task, run_episode
 from realtime_rl.environments.agent_loop import PolicyOutput, first_turn_messages
+from realtime_rl.environments.grading import GradeCache
 from realtime_rl.environments.tools import TOOL_SCHEMAS
 from realtime_rl.model import load_checkpoint
 from realtime_rl.model.chat import render_messages
@@ -109,7 +110,7 @@ class FirstTurnReward:
     def __init__(self, tokenizer: Tokenizer, root: Path, agent: AgentConfig, workers: int = 16) -> None:
         self.tokenizer, self.root, self.agent = tokenizer, root, agent
         self.pool = WarmPool(SandboxConfig(pool_size=2))
-        self.grader = Sandbox(SandboxConfig())
+        self.grader = GradeCache(Sandbox(SandboxConfig()))  # as our rollout workers grade
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="trl-reward")
         self._tasks: dict[int, Task] = {}
         self._lock = threading.Lock()

@@ -27,6 +27,7 @@ import torch
 from realtime_rl.config import RolloutConfig
 from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
 from realtime_rl.environments import Sandbox, WarmPool, generate_task, grade, load_task, run_episode
+from realtime_rl.environments.grading import GradeCache
 from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.environments.policies import task_seed
 from realtime_rl.environments.synthetic import split_size
@@ -74,7 +75,7 @@ class RolloutWorker:
                         prefix_max_age=config.prefix_max_age or 0, compile_decode=config.compile_decode)
         self.engine = AsyncEngine(engine, max_pending=4 * config.episodes_in_flight).start()
         self.pool = WarmPool(config.sandbox)
-        self.grader = Sandbox(config.sandbox)
+        self.grader = GradeCache(Sandbox(config.sandbox))  # a group's identical workspaces are graded once
         self.episodes = ThreadPoolExecutor(config.episodes_in_flight, thread_name_prefix=f"rollout-{worker_id}")
         self._tasks_dir = Path(tempfile.mkdtemp(prefix=f"rtrl-rollout-{worker_id}-"))
         self._lock = threading.Lock()
