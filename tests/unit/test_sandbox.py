@@ -262,16 +262,40 @@ def test_exercism_warm_references_pass_and_stubs_fail(pool):
 
 @pytest.mark.slow
 def test_exercism_grading_cold_matches_warm(sandbox, pool):
-    """Fresh sandboxes with pytest: every reference passes, every stub fails, same counts as the warm pool."""
+    """Fresh sandboxes with pytest: every reference passes, every stub fails, same counts as the warm pool
+    and as the light runner in fresh sandboxes (which falls back to pytest where it must)."""
     tasks = _exercism_tasks()
     jobs = [(t, which) for t in tasks for which in ("reference", "stub")]
     with ThreadPoolExecutor(2) as ex:
         cold = list(ex.map(lambda j: sandbox.run_tests(*_graded(*j)), jobs))
+        light = list(ex.map(lambda j: sandbox.run_tests(*_graded(*j), runner="light"), jobs))
     warm = [pool.run_tests(*_graded(*j)) for j in jobs]
-    for (task, which), c, w in zip(jobs, cold, warm, strict=True):
+    for (task, which), c, w, lt in zip(jobs, cold, warm, light, strict=True):
         expect_ok = which == "reference" or task.task_id in STUB_PASSES
         assert c.ok is expect_ok, f"{task.task_id} {which}: {c.output[-500:]}"
         assert (c.passed, c.failed, c.errors) == (w.passed, w.failed, w.errors), f"{task.task_id} {which}"
+        assert (lt.ok, lt.passed, lt.failed, lt.errors) == (c.ok, c.passed, c.failed, c.errors), \
+            f"{task.task_id} {which}: {lt.output[-500:]}"
+    assert sum(r.fallback_reason is None for r in light) > len(light) // 2  # most ran without pytest
+
+
+def test_light_runner_in_a_fresh_sandbox_counts_as_pytest_and_falls_back_to_it(sandbox):
+    tests = {"test_add.py": "from calc import add\n\ndef test_add():\n    assert add(1, 2) == 3\n\n"
+                            "def test_neg():\n    assert add(-1, -2) == -3\n"}
+    files = {"calc.py": "def add(a, b):\n    return a + b if a > 0 else 0\n", **tests}
+    light = sandbox.run_tests(files, ["test_add.py"], runner="light")
+    cold = sandbox.run_tests(files, ["test_add.py"], runner="pytest")
+    assert (light.ok, light.passed, light.failed) == (cold.ok, cold.passed, cold.failed) == (False, 1, 1)
+    assert light.fallback_reason is None and "light runner" in light.output
+    uses_pytest = {"calc.py": files["calc.py"], "test_add.py": "import pytest\n" + tests["test_add.py"]}
+    report = sandbox.run_tests(uses_pytest, ["test_add.py"], runner="light")
+    assert (report.passed, report.failed) == (1, 1)
+    assert "imports pytest" in report.fallback_reason
+    hang = {"calc.py": "while True:\n    pass\n", **tests}
+    report = sandbox.run_tests(hang, ["test_add.py"], runner="light", timeout_s=1)
+    assert report.timed_out and not report.ok and report.fallback_reason is None
+    with pytest.raises(ValueError, match="runner"):
+        sandbox.run_tests(files, ["test_add.py"], runner="nose")
 
 
 def test_grading_uses_pristine_read_only_tests(sandbox):

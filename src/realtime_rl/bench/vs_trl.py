@@ -5,7 +5,8 @@ Qwen3-MoE), see the same stream of fresh synthetic tasks in the same order (trai
 indices from TASK_START; the base never trained on them), sample 8 replies per task at T = 1 with up to
 Setup.max_new_tokens tokens, and are paid by the same function: the reply runs through the agent loop's
 first turn (its tool calls act on the task's files) and is graded with the visible and hidden tests in a
-fresh bubblewrap sandbox (1 if they pass). The algorithm is the same on both sides: GRPO advantages
+fresh bubblewrap sandbox (1 if they pass), as our rollout workers grade: the light runner (pytest where it
+falls back), each distinct workspace once (`GradeCache`). The algorithm is the same on both sides: GRPO advantages
 (group mean, std-normalised), token-level (DAPO) aggregation, PPO clip 0.2 / 0.28, no KL, no MoE
 auxiliary loss, one pass per batch of 4 tasks x 8 replies, AdamW at LR. Each side gets the whole machine
 (ours: one rollout worker thread and one trainer thread, asynchronous with the recipe's staleness
@@ -110,7 +111,7 @@ class FirstTurnReward:
     def __init__(self, tokenizer: Tokenizer, root: Path, agent: AgentConfig, workers: int = 16) -> None:
         self.tokenizer, self.root, self.agent = tokenizer, root, agent
         self.pool = WarmPool(SandboxConfig(pool_size=2))
-        self.grader = GradeCache(Sandbox(SandboxConfig()))  # as our rollout workers grade
+        self.grader = GradeCache(Sandbox(SandboxConfig(test_runner="light")))  # as our rollout workers grade
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="trl-reward")
         self._tasks: dict[int, Task] = {}
         self._lock = threading.Lock()

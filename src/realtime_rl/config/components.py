@@ -136,6 +136,9 @@ class SandboxConfig(StrictModel):
     """stdout and stderr are each truncated to this many bytes (the run records that it was truncated)."""
     pool_size: int = Field(2, ge=1, le=256)
     """Warm interpreters kept ready for fast test runs."""
+    test_runner: Literal["pytest", "light"] = "pytest"
+    """What a fresh sandbox's `run_tests` (grading) runs: pytest, or the light runner with pytest where it
+    cannot promise pytest's counts (the same counts, ~3x less CPU)."""
 
 
 class AgentConfig(StrictModel):

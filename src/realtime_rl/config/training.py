@@ -158,8 +158,8 @@ class RolloutConfig(StrictModel):
     agent: AgentConfig = Field(default_factory=lambda: AgentConfig(max_turns=6, max_new_tokens=256,
                                                                   summary_trigger_tokens=1536, max_context_tokens=2048))
     """The agent loop's limits."""
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    """Limits of test runs and grading."""
+    sandbox: SandboxConfig = Field(default_factory=lambda: SandboxConfig(test_runner="light"))
+    """Limits of test runs and grading; grading runs the light runner (pytest where it falls back)."""
     timeout_s: float = Field(600.0, gt=0)
     """A worker that returns nothing for this long is an error (never a silent hang)."""
     prefix_max_age: int | None = Field(None, ge=0)

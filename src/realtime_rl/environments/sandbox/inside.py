@@ -6,10 +6,11 @@ files into the working directory, sets rlimits, loads the seccomp filter, and th
 
     exec     execs `argv`; the rest of stdin is the command's stdin
     pytest   runs pytest in this process with a counting plugin; counts go to `report_fd` as JSON
+    light    runs the warm pool's light runner (`warm_src`) once, in this fresh sandbox; counts likewise
     zygote   the warm-pool server: one forked child per request (see `serve`)
     probe    reports what the sandbox looks like from inside (uid, capabilities, seccomp, pytest)
 
-With `reaper` set (the weak tier, no pid namespace) the exec and pytest modes fork: the parent is a
+With `reaper` set (the weak tier, no pid namespace) the exec, pytest and light modes fork: the parent is a
 child subreaper that kills every leftover descendant when the command ends or on SIGTERM.
 """
 
@@ -303,6 +304,14 @@ def main() -> None:
         def body() -> int:
             set_rlimits(header["limits"])
             return run_pytest(header["pytest_args"], header["report_fd"])
+    elif mode == "light":
+        sys.path.append(workdir)  # as in pytest mode: the workspace after the standard library
+        runner: dict = {"__name__": "rtrl_light"}
+        exec(compile(header["warm_src"], "inside_warm.py", "exec"), runner)
+
+        def body() -> int:
+            set_rlimits(header["limits"])
+            return runner["run_light"](header["test_files"], header["report_fd"], "light runner")
     else:
         sys.exit(f"unknown mode {mode!r}")
     sys.exit(run_with_reaper(body) if header.get("reaper") else body())

@@ -12,7 +12,9 @@ goes at the *end* of sys.path and conftest.py / ini files are ignored, as in the
 flags. Anything else (a test file that imports pytest, fixtures, plain Test* classes, xunit setup
 functions, setUpClass, expected failures, generators, coroutines) makes it answer "fallback" so the
 caller runs pytest in a fresh sandbox instead of guessing. It runs in the same process as the code
-under test, so that code can tamper with the counting; grading never uses it.
+under test (as pytest does), so that code can tamper with the counting of its own run; grading never uses a
+warm slot, whose sandbox outlives the run, but may run `run_light` once in a fresh sandbox (inside.py, mode
+light).
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def format_failure(etype, value, tb) -> str:
     return f"Traceback (most recent call last):\n{stack}{error}"
 
 
-def run_light(test_files: list, report_fd: int) -> int:
+def run_light(test_files: list, report_fd: int, label: str = "warm runner") -> int:
     """Run the tests; write {passed, failed, errors, skipped, exit_code, fallback} to report_fd."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "fallback": None}
     try:
@@ -193,7 +195,7 @@ def run_light(test_files: list, report_fd: int) -> int:
     summary = ", ".join(f"{counts[k]} {k}" for k in ("failed", "passed", "skipped", "errors") if counts[k])
     # No wall time here (pytest prints one): the output is an observation the model reads and the
     # pre-training corpus records, so it must be a function of the code alone; duration_s has the time.
-    print(f"{'=' * 10} {summary or 'no tests ran'} (warm runner) {'=' * 10}")
+    print(f"{'=' * 10} {summary or 'no tests ran'} ({label}) {'=' * 10}")
     sys.stdout.flush()
     inside.write_message(report_fd, {**counts, "exit_code": code})
     return code

@@ -25,14 +25,17 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from realtime_rl.config import SandboxConfig
 from realtime_rl.environments.sandbox.launch import SandboxProcess, b64_files, encode_files, frame, limits
 from realtime_rl.environments.sandbox.results import IsolationLevel, RunResult, TestReport
-from realtime_rl.environments.sandbox.sandbox import Sandbox, check_tests, make_report, signal_of
-
-WARM_SOURCE = (Path(__file__).parent / "inside_warm.py").read_text()
+from realtime_rl.environments.sandbox.sandbox import (
+    LIGHT_RUNNER_SOURCE as WARM_SOURCE,
+    Sandbox,
+    check_tests,
+    make_report,
+    signal_of,
+)
 START_TIMEOUT_S = 30.0
 REPLY_GRACE_S = 5.0  # beyond the run's own timeout, which the slot enforces itself
 
@@ -170,7 +173,7 @@ class WarmPool:
                          signal=signal_of(code))
 
     def _cold(self, files, tests, timeout: float, reason: str) -> TestReport:
-        report = self.sandbox.run_tests(files, tests, timeout_s=timeout)
+        report = self.sandbox.run_tests(files, tests, timeout_s=timeout, runner="pytest")
         return dataclasses.replace(report, fallback_reason=reason)
 
     def _give_back(self, slot: Slot | None) -> None:
