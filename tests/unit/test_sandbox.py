@@ -356,11 +356,13 @@ def test_grade_cache_runs_identical_workspaces_once(sandbox):
     wrong = {"calc.py": "def add(a, b):\n    return a - b\n", **tests}
     cache = GradeCache(sandbox)
     with ThreadPoolExecutor(4) as ex:
-        reports = list(ex.map(lambda files: cache.run_tests(files, ["test_add.py"]), [right] * 4 + [wrong] * 2))
+        reports = list(ex.map(lambda files: cache.run_tests(files, ["test_add.py"]),
+                              [right] * 4 + [wrong] * 2))
     assert [r.ok for r in reports] == [True] * 4 + [False] * 2
     assert (cache.runs, cache.hits) == (2, 4)
     assert all(r is reports[0] for r in reports[:4])
-    assert cache.run_tests({**right, "calc.py": right["calc.py"] + "\n"}, ["test_add.py"]).ok  # a byte differs
+    changed = {**right, "calc.py": right["calc.py"] + "\n"}  # a byte differs
+    assert cache.run_tests(changed, ["test_add.py"]).ok
     assert cache.runs == 3
     slow = {"calc.py": "import time\ntime.sleep(30)\n\ndef add(a, b):\n    return a + b\n", **tests}
     first = cache.run_tests(slow, ["test_add.py"], timeout_s=1)

@@ -6,10 +6,10 @@ indices from TASK_START; the base never trained on them), sample 8 replies per t
 Setup.max_new_tokens tokens, and are paid by the same function: the reply runs through the agent loop's
 first turn (its tool calls act on the task's files) and is graded with the visible and hidden tests in a
 fresh bubblewrap sandbox (1 if they pass), as our rollout workers grade: the light runner (pytest where it
-falls back), each distinct workspace once (`GradeCache`). The algorithm is the same on both sides: GRPO advantages
-(group mean, std-normalised), token-level (DAPO) aggregation, PPO clip 0.2 / 0.28, no KL, no MoE
-auxiliary loss, one pass per batch of 4 tasks x 8 replies, AdamW at LR. Each side gets the whole machine
-(ours: one rollout worker thread and one trainer thread, asynchronous with the recipe's staleness
+falls back), each distinct workspace once (`GradeCache`). The algorithm is the same on both sides:
+GRPO advantages (group mean, std-normalised), token-level (DAPO) aggregation, PPO clip 0.2 / 0.28, no KL,
+no MoE auxiliary loss, one pass per batch of 4 tasks x 8 replies, AdamW at LR. Each side gets the whole
+machine (ours: one rollout worker thread and one trainer thread, asynchronous with the recipe's staleness
 bound; TRL: two torch threads, its generate / score / train loop) for BUDGET_MINUTES of training (model
 loading excluded on both sides).
 

@@ -96,7 +96,7 @@ class GradeCache:
                 owner = False
         if not owner:
             try:
-                report = pending.result()  # the owner always resolves it (its runner's timeout bounds the wait)
+                report = pending.result()  # the owner always resolves it (its runner's timeout)
                 if not getattr(report, "timed_out", False):
                     return report
             except Exception:

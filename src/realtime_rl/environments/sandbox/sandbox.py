@@ -104,7 +104,8 @@ class Sandbox:
         return self.result(process.communicate(stdin or b"", timeout, self.config.output_bytes))
 
     def run_tests(self, files: Mapping[str, str | bytes], test_files: Sequence[str], *,
-                  timeout_s: float | None = None, runner: Literal["pytest", "light"] | None = None) -> TestReport:
+                  timeout_s: float | None = None, runner: Literal["pytest", "light"] | None = None
+                  ) -> TestReport:
         """`test_files` (among `files`) in a fresh sandbox, tests read-only in the FULL tier: with pytest, or
         with the light runner and pytest where it falls back (runner None: the config's `test_runner`)."""
         runner = runner or self.config.test_runner
@@ -118,7 +119,8 @@ class Sandbox:
         workspace = b64_files({k: v for k, v in encoded.items() if k not in tests})
         ro_files = {t: encoded[t] for t in tests}
         if runner == "light":
-            header = {"mode": "light", "warm_src": LIGHT_RUNNER_SOURCE, "test_files": tests, "files": workspace}
+            header = {"mode": "light", "warm_src": LIGHT_RUNNER_SOURCE, "test_files": tests,
+                      "files": workspace}
             process = SandboxProcess(self.probe, self.config, header, ro_files=ro_files, report=True)
             outcome = process.communicate(b"", timeout, self.config.output_bytes)
             counts = parse_report(outcome.report)
