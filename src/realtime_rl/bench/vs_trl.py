@@ -13,7 +13,7 @@ machine (ours: one rollout worker thread and one trainer thread, asynchronous wi
 bound; TRL: two torch threads, its generate / score / train loop) for BUDGET_MINUTES of training (model
 loading excluded on both sides).
 
-Progress is measured the same way for both: the policy is snapshotted at each quarter of the budget
+Progress is measured the same way for both: the policy is snapshotted at SNAPSHOT_FRACTIONS of the budget
 (ours: the checkpoint of the last step before the mark, which our trainer writes anyway; TRL: saved by a
 callback, its saving time taken off TRL's clock), and every snapshot and the base are evaluated afterwards
 by one harness (our engine, the first turn, T = 1) on the same EVAL_TASKS fresh tasks. The target is the
@@ -59,8 +59,10 @@ EVAL_TASKS = 200
 LR = 1e-4
 BUDGET_MINUTES = 12.0
 TARGET_GAIN = 0.10
-SNAPSHOTS = 4
-"""Snapshots per run, at equal fractions of the budget (the last at its end)."""
+SNAPSHOT_FRACTIONS = (1 / 24, 2 / 24, 3 / 24, 4 / 24, 6 / 24, 8 / 24, 12 / 24, 18 / 24, 1.0)
+"""Where each run is snapshotted, as fractions of the budget (0.5, 1, 1.5, 2, 3, 4, 6, 9, 12 minutes of 12):
+dense early, where both sides have crossed base + 10 points (both did before the quarter mark on
+2026-11-24, which left the crossing times to interpolation between the base and that one snapshot)."""
 MIN_STEP_S = 2.0
 """No step of either trainer is faster on 2 cores (ours took 7-10 s, TRL's 10-26 s): the step cap (tasks
 prepared) is budget / this, so that neither side runs out of tasks before the budget ends."""
@@ -148,7 +150,7 @@ def minutes_to_target(curve: list[tuple[float, float]], target: float) -> float 
 
 
 def marks(budget: float) -> list[float]:
-    return [budget * (i + 1) / SNAPSHOTS for i in range(SNAPSHOTS)]
+    return [budget * f for f in SNAPSHOT_FRACTIONS]
 
 
 # ------------------------------------------------------------------------------------------ ours
