@@ -3,15 +3,20 @@
     buffer = StalenessBuffer(max_staleness=2, groups_per_step=4)
     while buffer.may_start(trainer.version): submit a group; buffer.started += 1
     buffer.add(group)                            # when it finishes
-    batch, dropped = buffer.take(trainer.version)  # oldest groups first (or None), groups past the bound
+    if not buffer.stranded(trainer.version, in_flight_versions):  # else wait: a step now would strand one
+        batch, dropped = buffer.take(trainer.version)  # oldest groups first (or None), groups past the bound
 
 Admission control, not waste: a group may start only while fewer than
 (version + max_staleness + 1) * groups_per_step groups have been admitted, so sampling never runs
 further ahead of the trainer than the bound allows (max_staleness 0 is the synchronous on-policy
 mode: the next batch starts only once the trainer has published the weights it needs). At
 consumption a group's staleness is the trainer's version minus the version of its oldest generated
-token; a group past the bound (possible only when a slow group outlives the window, or after a
-resume) is dropped, counted, and its slot given back to admission.
+token. Groups finish out of order (one task's episodes run longer than the next ones'), so a slow group
+could outlive the window while later groups fill batches; the trainer does not step while a group in
+flight would be pushed past the bound by that step (`stranded`): it waits for the straggler and trains
+it with the next batch. A group past the bound is still possible (a worker that had not yet received
+the weights its group was admitted at, or groups logged before a resume); it is dropped, counted, and
+its slot given back to admission.
 
 TrajectoryLog makes finished groups durable before the trainer sees them (temp file, fsync, rename),
 so a killed trainer resumes with every group it had received and not yet consumed. A group dropped
@@ -24,6 +29,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +53,13 @@ class StalenessBuffer:
 
     def may_start(self, version: int) -> bool:
         return self.started < (version + self.max_staleness + 1) * self.groups_per_step
+
+    def stranded(self, version: int, in_flight: Iterable[int]) -> bool:
+        """Would stepping from `version` push a group in flight (admitted at the given versions) past the bound?
+        Its tokens are no older than its admission (a worker applies the weights published before a job),
+        so it is consumed in time if the trainer reaches version + 1 only once it is no more than
+        max_staleness versions after the group's admission."""
+        return any(version + 1 - started > self.max_staleness for started in in_flight)
 
     def add(self, group: list[Episode]) -> None:
         self.ready.append(group)

@@ -4,10 +4,12 @@
 
 Each pass: admit new groups while the staleness bound allows (StalenessBuffer.may_start) and the
 workers have room; take a batch of the oldest fresh groups when enough are ready, otherwise wait for
-workers (the only place the trainer is idle, and it is timed); train one step; checkpoint; publish the
-new weights (after the checkpoint is durable, so no worker ever samples from a version a resume could
-lose); forget the consumed groups' log files. Finished groups are written to the durable trajectory
-log before the trainer may consume them.
+workers (the only place the trainer is idle, and it is timed). It also waits while a group still in
+flight would be pushed past the staleness bound by the next step: the straggler is trained with the
+next batch instead of dropped. Then train one step; checkpoint; publish the new weights (after the
+checkpoint is durable, so no worker ever samples from a version a resume could lose); forget the
+consumed groups' log files. Finished groups are written to the durable trajectory log before the
+trainer may consume them.
 
 With max_staleness 0 this is synchronous on-policy RL: the next batch is admitted only after the
 step that needs it has published. With max_staleness > 0 workers keep sampling (from the newest
@@ -31,6 +33,7 @@ from realtime_rl.rollout.base import RolloutBackend
 from realtime_rl.rollout.buffer import StalenessBuffer, TrajectoryLog
 from realtime_rl.rollout.worker import GroupJob, new_group_id
 from realtime_rl.train import RLTrainer
+from realtime_rl.types import Episode
 
 POLL_S = 0.5
 
@@ -72,8 +75,16 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([] if show_progress else [ConsoleSink()]))
 
     backend = make_backend(config, base)
+    admitted: dict[str, int] = {}  # group id -> the trainer's version at admission, while in flight
+
+    def receive(finished: list[list[Episode]]) -> None:
+        for group in finished:
+            admitted.pop(group[0].group_id, None)
+            log.append(group)
+            buffer.add(group)
+
     t_start = time.perf_counter()
-    idle_s, first_version, history = 0.0, trainer.version, []
+    idle_s, straggler_s, first_version, history = 0.0, 0.0, trainer.version, []
     columns = (TextColumn("train"), BarColumn(), TextColumn("v{task.completed}/{task.total} {task.fields[info]}"),
                TimeElapsedColumn())
     try:
@@ -86,24 +97,29 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                 if config.max_minutes and (time.perf_counter() - t_start) / 60 >= config.max_minutes:
                     break
                 while backend.in_flight < backend.capacity and buffer.may_start(trainer.version):
-                    backend.submit(GroupJob(new_group_id(), config.rollout.first_task + buffer.started,
-                                            1 + buffer.started % config.rollout.max_difficulty, size,
-                                            config.seed * 1_000_003 + buffer.started, trainer.version))
+                    job = GroupJob(new_group_id(), config.rollout.first_task + buffer.started,
+                                   1 + buffer.started % config.rollout.max_difficulty, size,
+                                   config.seed * 1_000_003 + buffer.started, trainer.version)
+                    backend.submit(job)
+                    admitted[job.group_id] = job.started_version
                     buffer.started += 1
-                batch, dropped = buffer.take(trainer.version)
-                log.drop(dropped, trainer.version)
+                batch = dropped = None
+                stranding = buffer.stranded(trainer.version, admitted.values())
+                if not stranding:
+                    batch, dropped = buffer.take(trainer.version)
+                    log.drop(dropped, trainer.version)
                 if batch is None:
                     t0 = time.perf_counter()
                     finished = backend.poll(POLL_S)
                     idle_s += time.perf_counter() - t0
+                    if stranding and len(buffer.ready) >= gps:  # a batch was ready: the wait is the straggler's
+                        straggler_s += time.perf_counter() - t0
                     if finished:
                         last_result = time.perf_counter()
                     elif backend.in_flight and time.perf_counter() - last_result > config.rollout.timeout_s:
                         raise TimeoutError(f"no rollout finished in {config.rollout.timeout_s:.0f} s "
                                            f"({backend.in_flight} groups in flight)")
-                    for group in finished:
-                        log.append(group)
-                        buffer.add(group)
+                    receive(finished)
                     continue
 
                 t_step = time.perf_counter()
@@ -111,9 +127,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                 trainer.save(config.checkpoint_keep)
                 backend.publish(trainer.weights(), trainer.version)
                 log.remove(batch)
-                for group in backend.poll(0):
-                    log.append(group)
-                    buffer.add(group)
+                receive(backend.poll(0))
                 elapsed = time.perf_counter() - t_start
                 metrics |= {
                     "train/step_s": time.perf_counter() - t_step,
@@ -121,6 +135,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     "train/minutes": elapsed / 60,
                     "rollout/tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
                     "rollout/dropped_stale_groups": float(buffer.dropped),
+                    "rollout/straggler_wait_s": straggler_s,
                     "rollout/groups_ready": float(len(buffer.ready)),
                 }
                 if backend.last_publish is not None and backend.last_publish.ratio:
@@ -144,6 +159,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
         "reward_first": rewards[0] if rewards else None,
         "reward_last_mean": float(np.mean(rewards[-3:])) if rewards else None,
         "dropped_stale_groups": buffer.dropped,
+        "straggler_wait_s": straggler_s,
         "rollout_tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
         "history": history,
     }
