@@ -273,6 +273,6 @@ def test_staleness_buffer_holds_the_step_that_would_strand_a_group_in_flight():
     buf = StalenessBuffer(max_staleness=2, groups_per_step=4)
     assert not buf.stranded(version=5, in_flight=[4, 5])  # at version 6 each is at most 2 behind
     assert not buf.stranded(version=5, in_flight=[])
-    assert buf.stranded(version=5, in_flight=[5, 3])  # version 6 would leave the group admitted at 3 behind by 3
+    assert buf.stranded(version=5, in_flight=[5, 3])  # at version 6 the group admitted at 3 is 3 behind
     sync = StalenessBuffer(max_staleness=0, groups_per_step=4)
     assert sync.stranded(version=0, in_flight=[0])  # synchronous: every group admitted is in the next batch

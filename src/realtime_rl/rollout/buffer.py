@@ -55,7 +55,7 @@ class StalenessBuffer:
         return self.started < (version + self.max_staleness + 1) * self.groups_per_step
 
     def stranded(self, version: int, in_flight: Iterable[int]) -> bool:
-        """Would stepping from `version` push a group in flight (admitted at the given versions) past the bound?
+        """Would stepping from `version` push a group in flight (admitted at these versions) past the bound?
         Its tokens are no older than its admission (a worker applies the weights published before a job),
         so it is consumed in time if the trainer reaches version + 1 only once it is no more than
         max_staleness versions after the group's admission."""

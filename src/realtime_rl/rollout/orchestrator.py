@@ -112,7 +112,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     finished = backend.poll(POLL_S)
                     idle_s += time.perf_counter() - t0
-                    if stranding and len(buffer.ready) >= gps:  # a batch was ready: the wait is the straggler's
+                    if stranding and len(buffer.ready) >= gps:  # a batch was ready: the straggler's wait
                         straggler_s += time.perf_counter() - t0
                     if finished:
                         last_result = time.perf_counter()
