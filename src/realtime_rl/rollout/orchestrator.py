@@ -103,7 +103,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     backend.submit(job)
                     admitted[job.group_id] = job.started_version
                     buffer.started += 1
-                batch = dropped = None
+                batch = None
                 stranding = buffer.stranded(trainer.version, admitted.values())
                 if not stranding:
                     batch, dropped = buffer.take(trainer.version)

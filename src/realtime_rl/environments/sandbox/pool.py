@@ -30,7 +30,7 @@ from realtime_rl.config import SandboxConfig
 from realtime_rl.environments.sandbox.launch import SandboxProcess, b64_files, encode_files, frame, limits
 from realtime_rl.environments.sandbox.results import IsolationLevel, RunResult, TestReport
 from realtime_rl.environments.sandbox.sandbox import (
-    LIGHT_RUNNER_SOURCE as WARM_SOURCE,
+    LIGHT_RUNNER_SOURCE,
     Sandbox,
     check_tests,
     make_report,
@@ -51,7 +51,7 @@ class Slot:
         # The slot's cgroup also holds the waiting interpreter and bubblewrap's init.
         slot_config = config.model_copy(update={"memory_mb": config.memory_mb + 64,
                                                 "max_procs": config.max_procs + 4})
-        header = {"mode": "zygote", "warm_src": WARM_SOURCE, "own_pid_namespace": full,
+        header = {"mode": "zygote", "warm_src": LIGHT_RUNNER_SOURCE, "own_pid_namespace": full,
                   "scratch_dirs": ["/tmp", "/dev/shm"] if full else []}
         self.process = SandboxProcess(sandbox.probe, slot_config, header)
         self.stdin_fd = self.process.proc.stdin.fileno()

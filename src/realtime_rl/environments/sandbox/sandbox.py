@@ -15,7 +15,6 @@ answers "fallback" and the run is repeated with pytest (`TestReport.fallback_rea
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 from collections.abc import Mapping, Sequence
@@ -118,21 +117,21 @@ class Sandbox:
         timeout = self.resolve_timeout(timeout_s)
         workspace = b64_files({k: v for k, v in encoded.items() if k not in tests})
         ro_files = {t: encoded[t] for t in tests}
-        if runner == "light":
-            header = {"mode": "light", "warm_src": LIGHT_RUNNER_SOURCE, "test_files": tests,
-                      "files": workspace}
+
+        def launch(header: dict) -> tuple[RunResult, dict | None]:
             process = SandboxProcess(self.probe, self.config, header, ro_files=ro_files, report=True)
             outcome = process.communicate(b"", timeout, self.config.output_bytes)
-            counts = parse_report(outcome.report)
-            if outcome.timed_out or (counts is not None and not counts.get("fallback")):
-                return make_report(self.result(outcome), counts)
+            return self.result(outcome), parse_report(outcome.report)
+
+        reason = None
+        if runner == "light":
+            run, counts = launch({"mode": "light", "warm_src": LIGHT_RUNNER_SOURCE, "test_files": tests,
+                                  "files": workspace})
+            if run.timed_out or (counts is not None and not counts.get("fallback")):
+                return make_report(run, counts)
             reason = counts["fallback"] if counts else "the light run ended without a report (crash or exit)"
-            report = self.run_tests(files, tests, timeout_s=timeout, runner="pytest")
-            return dataclasses.replace(report, fallback_reason=reason)
-        header = {"mode": "pytest", "pytest_args": [*PYTEST_ARGS, *tests], "files": workspace}
-        process = SandboxProcess(self.probe, self.config, header, ro_files=ro_files, report=True)
-        outcome = process.communicate(b"", timeout, self.config.output_bytes)
-        return make_report(self.result(outcome), parse_report(outcome.report))
+        run, counts = launch({"mode": "pytest", "pytest_args": [*PYTEST_ARGS, *tests], "files": workspace})
+        return make_report(run, counts, fallback_reason=reason)
 
 
 def make_report(run: RunResult, counts: dict | None, warm: bool = False,
