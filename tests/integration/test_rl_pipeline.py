@@ -17,6 +17,8 @@ import torch
 from realtime_rl.config import AgentConfig, RLConfig, RolloutConfig, TrainConfig
 from realtime_rl.rollout import TrajectoryLog, train
 from realtime_rl.rollout.base import groups_per_worker
+from realtime_rl.rollout.local import LocalBackend
+from realtime_rl.types import Episode
 
 AGENT = AgentConfig(max_turns=2, max_new_tokens=24, summary_trigger_tokens=3072, max_context_tokens=4096)
 
@@ -57,6 +59,58 @@ def test_local_pipeline_trains_within_the_staleness_bound(tmp_path, tiny_checkpo
     # Weights reached the workers as verified lossless deltas (after the first snapshot).
     assert all(h["sync/delta_ratio"] > 1 for h in summary["history"])
     assert (tmp_path / "run" / "weights").is_dir()
+
+
+class _Straggler(LocalBackend):
+    """Real workers, but the first group to finish is held back until version 1 is published, two groups
+    have finished after that, and another second has passed: a straggler the trainer would strand by
+    stepping again (with max_staleness 1, trained at version 2 it would be two versions old)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.held: list[Episode] | None = None
+        self.held_id: str | None = None
+        self.version, self.finished_after, self.release_at = 0, 0, float("inf")
+
+    def publish(self, state, version: int) -> None:
+        super().publish(state, version)
+        self.version = version
+
+    def poll(self, timeout_s: float) -> list[list[Episode]]:
+        out = super().poll(timeout_s)
+        if self.held_id is None and out:
+            self.held = out.pop(0)
+            self.held_id = self.held[0].group_id
+        if self.held is not None:
+            if self.version >= 1:
+                self.finished_after += len(out)
+                if self.finished_after >= 2 and self.release_at == float("inf"):
+                    self.release_at = time.monotonic() + 1.0
+            if time.monotonic() >= self.release_at:
+                out.append(self.held)
+                self.held = None
+        return out
+
+
+def test_a_straggler_is_waited_for_and_trained_not_dropped(tmp_path, tiny_checkpoint, monkeypatch):
+    from realtime_rl.rollout import orchestrator
+
+    backends: list[_Straggler] = []
+
+    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _Straggler:
+        backends.append(_Straggler(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
+                                   weights_dir=Path(config.run_dir) / "weights"))
+        return backends[0]
+
+    monkeypatch.setattr(orchestrator, "make_backend", make_backend)
+    summary = train(_config(tmp_path / "run", tiny_checkpoint, steps=3, max_staleness=1), show_progress=False)
+    _check_run(tmp_path / "run", summary, steps=3, max_staleness=1)
+    straggler = backends[0]
+    assert straggler.held is None and straggler.release_at < float("inf")  # held past version 1, released
+    assert summary["dropped_stale_groups"] == 0
+    assert summary["straggler_wait_s"] > 0.5  # the trainer waited out the held second instead of stepping
+    consumed = {i for ids in _state(tmp_path / "run")["consumed"].values() for i in ids}
+    assert {f"{straggler.held_id}-{i}" for i in range(2)} <= consumed  # and trained the straggler
 
 
 def test_synchronous_mode_trains_only_on_the_current_version(tmp_path, tiny_checkpoint):
