@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="write {name, metrics, overrides, env} to this file")
     bench.add_argument("--quick", action="store_true", help="a short run (CI-sized)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field of the RL recipe the benchmark runs (learn, async: "
+                       help="override a field of the RL recipe the benchmark runs (learn, async, vs-trl: "
                             "configs/train/default.toml), e.g. --set rl.kl_coef=0 (repeatable)")
     return parser
 

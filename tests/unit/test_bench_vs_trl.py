@@ -46,3 +46,14 @@ def test_minutes_to_target_interpolates_between_the_snapshots_around_it():
     assert minutes_to_target(curve, 0.30) == 0.0                  # the base already is there
     assert minutes_to_target(curve, 0.50) == pytest.approx(12.0)  # first reached at the last snapshot
     assert minutes_to_target(curve, 0.51) is None
+
+
+def test_set_may_change_only_how_ours_uses_the_machine():
+    from realtime_rl.bench import run_benchmark
+    from realtime_rl.bench.vs_trl import ours_recipe
+
+    assert ours_recipe(["rollout.workers=2"]).rollout.workers == 2
+    with pytest.raises(ValueError, match="only how ours uses the machine"):
+        ours_recipe(["rl.lr=1e-3"])
+    with pytest.raises(ValueError, match="rollout.temperature"):
+        run_benchmark("vs-trl", quick=True, overrides=["rollout.temperature=0.5"])

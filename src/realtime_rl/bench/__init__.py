@@ -28,8 +28,9 @@ BENCHMARKS = {
     "vs-trl": "our trainer against TRL's GRPOTrainer: same base, tasks, reward and machine; minutes to the same pass rate",
     "ingest": "durable feedback events/s over HTTP into `rtrl serve` (SQLite, Postgres) with retries: lost, duplicated",
 }
-RECIPE_BENCHMARKS = ("learn", "async")
-"""The benchmarks that run the RL recipe (configs/train/default.toml); `--set KEY=VALUE` changes it there."""
+RECIPE_BENCHMARKS = ("learn", "async", "vs-trl")
+"""The benchmarks that run the RL recipe (configs/train/default.toml); `--set KEY=VALUE` changes it there
+(vs-trl: only how ours spreads over the machine, `vs_trl.MACHINE_FIELDS`)."""
 
 
 def environment() -> dict[str, Any]:

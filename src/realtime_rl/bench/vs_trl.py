@@ -9,9 +9,10 @@ fresh bubblewrap sandbox (1 if they pass), as our rollout workers grade: the lig
 falls back), each distinct workspace once (`GradeCache`). The algorithm is the same on both sides:
 GRPO advantages (group mean, std-normalised), token-level (DAPO) aggregation, PPO clip 0.2 / 0.28, no KL,
 no MoE auxiliary loss, one pass per batch of 4 tasks x 8 replies, AdamW at LR. Each side gets the whole
-machine (ours: one rollout worker thread and one trainer thread, asynchronous with the recipe's staleness
-bound; TRL: two torch threads, its generate / score / train loop) for BUDGET_MINUTES of training (model
-loading excluded on both sides).
+machine (ours: the recipe's rollout workers, one thread each, sharing the 32 episodes in flight, and one
+trainer thread, asynchronous with the recipe's staleness bound; TRL: two torch threads, its generate /
+score / train loop) for BUDGET_MINUTES of training (model loading excluded on both sides). `--set` may
+change how ours spreads over the machine (MACHINE_FIELDS, e.g. `--set rollout.workers=2`), nothing else.
 
 Progress is measured the same way for both: the policy is snapshotted at SNAPSHOT_FRACTIONS of the budget
 (ours: the checkpoint of the last step before the mark, which our trainer writes anyway; TRL: saved by a
@@ -34,6 +35,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,10 +157,29 @@ def marks(budget: float) -> list[float]:
 
 # ------------------------------------------------------------------------------------------ ours
 
-def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float) -> dict[str, Any]:
+MACHINE_FIELDS = ("max_staleness", "threads", "rollout.workers", "rollout.threads_per_worker", "rollout.backend",
+                  "rollout.queued_groups", "rollout.compile_decode", "rollout.prefix_max_age")
+"""The recipe fields `--set` may change on ours' side: how it spreads over the machine, not what it learns
+from or how (the tasks, the sampling and the algorithm are the bench's, the same on both sides)."""
+
+
+def ours_recipe(overrides: Sequence[str] = ()) -> TrainConfig:
+    """The RL recipe (configs/train/default.toml) with `overrides` of MACHINE_FIELDS only."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key not in MACHINE_FIELDS:
+            raise ValueError(f"vs-trl --set {key}: only how ours uses the machine may change "
+                             f"({', '.join(MACHINE_FIELDS)}); the tasks, sampling and algorithm are the bench's")
+    return load_config(TrainConfig, CONFIGS / "train" / "default.toml", list(overrides))
+
+
+def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
+             config: TrainConfig) -> dict[str, Any]:
     from realtime_rl.rollout import train
 
-    config = load_config(TrainConfig, CONFIGS / "train" / "default.toml")
+    in_flight = setup.group_size * setup.tasks_per_step
+    if in_flight % config.rollout.workers:
+        raise ValueError(f"vs-trl: {in_flight} episodes in flight do not split over {config.rollout.workers} workers")
     config = config.model_copy(update={
         "base_checkpoint": base, "run_dir": run_dir, "steps": steps, "max_minutes": budget,
         "checkpoint_keep": steps + 1,
@@ -169,7 +190,7 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float)
                                            "leave_one_out": False, "loss_aggregation": "token",
                                            "malformed_penalty": 0.0}),  # TRL's side: token-mean, pass/fail
         "rollout": config.rollout.model_copy(update={"max_difficulty": 1, "first_task": TASK_START,
-                                                     "episodes_in_flight": setup.group_size * setup.tasks_per_step,
+                                                     "episodes_in_flight": in_flight // config.rollout.workers,
                                                      "temperature": 1.0, "agent": setup.agent}),
     })
     summary = train(config, show_progress=False)
@@ -185,7 +206,8 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float)
     return {"snapshots": snapshots, "steps": summary["steps_this_run"], "minutes": summary["minutes"],
             "step_minutes": minutes, "pass_rates": [m["train/pass_rate"] for m in history],
             "trainer_idle_fraction": summary["trainer_idle_fraction"],
-            "rollout_tokens_per_s": summary["rollout_tokens_per_s"], "max_staleness": config.max_staleness}
+            "rollout_tokens_per_s": summary["rollout_tokens_per_s"], "max_staleness": config.max_staleness,
+            "rollout_workers": config.rollout.workers}
 
 
 # ------------------------------------------------------------------------------------------- TRL
@@ -290,7 +312,8 @@ def demo_base() -> Path:
     return ensure_base_model(pretrain.model_copy(update={"run_dir": Path("runs/demo/pretrain")}))
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    recipe = ours_recipe(overrides)
     budget = float(os.environ.get("RTRL_BENCH_MINUTES", 1.0 if quick else BUDGET_MINUTES))
     gain = float(os.environ.get("RTRL_BENCH_GAIN", 0.0 if quick else TARGET_GAIN))
     setup = QUICK if quick else FULL
@@ -306,7 +329,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         else:
             base = demo_base()
         threads = torch.get_num_threads()
-        ours = run_ours(base, tmp / "ours", setup, steps, budget)
+        ours = run_ours(base, tmp / "ours", setup, steps, budget, recipe)
         trl = run_trl(base, tmp / "trl", setup, steps, budget, threads=max(2, threads))
         torch.set_num_threads(threads)
         base_eval = pass_at_1(base, eval_tasks, setup.agent)
@@ -345,4 +368,5 @@ def run(quick: bool = False) -> dict[str, Any]:
         "trl_step_minutes": trl["step_minutes"],
         "ours_trainer_idle_fraction": ours["trainer_idle_fraction"],
         "ours_max_staleness": ours["max_staleness"],
+        "ours_rollout_workers": ours["rollout_workers"],
     }
