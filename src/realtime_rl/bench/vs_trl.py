@@ -157,8 +157,8 @@ def marks(budget: float) -> list[float]:
 
 # ------------------------------------------------------------------------------------------ ours
 
-MACHINE_FIELDS = ("max_staleness", "threads", "rollout.workers", "rollout.threads_per_worker", "rollout.backend",
-                  "rollout.queued_groups", "rollout.compile_decode", "rollout.prefix_max_age")
+MACHINE_FIELDS = ("max_staleness", "threads", "rollout.workers", "rollout.threads_per_worker",
+                  "rollout.backend", "rollout.queued_groups", "rollout.compile_decode", "rollout.prefix_max_age")
 """The recipe fields `--set` may change on ours' side: how it spreads over the machine, not what it learns
 from or how (the tasks, the sampling and the algorithm are the bench's, the same on both sides)."""
 
@@ -169,7 +169,8 @@ def ours_recipe(overrides: Sequence[str] = ()) -> TrainConfig:
         key = item.split("=", 1)[0].strip()
         if key not in MACHINE_FIELDS:
             raise ValueError(f"vs-trl --set {key}: only how ours uses the machine may change "
-                             f"({', '.join(MACHINE_FIELDS)}); the tasks, sampling and algorithm are the bench's")
+                             f"({', '.join(MACHINE_FIELDS)}); the tasks, sampling and algorithm are the "
+                             "bench's")
     return load_config(TrainConfig, CONFIGS / "train" / "default.toml", list(overrides))
 
 
@@ -179,7 +180,8 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
 
     in_flight = setup.group_size * setup.tasks_per_step
     if in_flight % config.rollout.workers:
-        raise ValueError(f"vs-trl: {in_flight} episodes in flight do not split over {config.rollout.workers} workers")
+        raise ValueError(f"vs-trl: {in_flight} episodes in flight do not split over "
+                         f"{config.rollout.workers} workers")
     config = config.model_copy(update={
         "base_checkpoint": base, "run_dir": run_dir, "steps": steps, "max_minutes": budget,
         "checkpoint_keep": steps + 1,
