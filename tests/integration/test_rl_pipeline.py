@@ -64,13 +64,17 @@ def test_local_pipeline_trains_within_the_staleness_bound(tmp_path, tiny_checkpo
 class _Straggler(LocalBackend):
     """Real workers, but the first group to finish is held back until version 1 is published, two groups
     have finished after that, and another second has passed: a straggler the trainer would strand by
-    stepping again (with max_staleness 1, trained at version 2 it would be two versions old)."""
+    stepping again (with max_staleness 1, trained at version 2 it would be two versions old). Held no
+    longer than HOLD_LIMIT_S in any case (the test then fails on release_at rather than hanging)."""
+
+    HOLD_LIMIT_S = 60.0
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.held: list[Episode] | None = None
         self.held_id: str | None = None
         self.version, self.finished_after, self.release_at = 0, 0, float("inf")
+        self.limit = float("inf")
 
     def publish(self, state, version: int) -> None:
         super().publish(state, version)
@@ -81,12 +85,13 @@ class _Straggler(LocalBackend):
         if self.held_id is None and out:
             self.held = out.pop(0)
             self.held_id = self.held[0].group_id
+            self.limit = time.monotonic() + self.HOLD_LIMIT_S
         if self.held is not None:
             if self.version >= 1:
                 self.finished_after += len(out)
                 if self.finished_after >= 2 and self.release_at == float("inf"):
                     self.release_at = time.monotonic() + 1.0
-            if time.monotonic() >= self.release_at:
+            if time.monotonic() >= min(self.release_at, self.limit):
                 out.append(self.held)
                 self.held = None
         return out

@@ -57,3 +57,5 @@ def test_set_may_change_only_how_ours_uses_the_machine():
         ours_recipe(["rl.lr=1e-3"])
     with pytest.raises(ValueError, match="rollout.temperature"):
         run_benchmark("vs-trl", quick=True, overrides=["rollout.temperature=0.5"])
+    with pytest.raises(ValueError, match="do not split over 3 workers"):  # before any model is built
+        run_benchmark("vs-trl", quick=True, overrides=["rollout.workers=3"])

@@ -163,25 +163,28 @@ MACHINE_FIELDS = ("max_staleness", "threads", "rollout.workers", "rollout.thread
 from or how (the tasks, the sampling and the algorithm are the bench's, the same on both sides)."""
 
 
-def ours_recipe(overrides: Sequence[str] = ()) -> TrainConfig:
-    """The RL recipe (configs/train/default.toml) with `overrides` of MACHINE_FIELDS only."""
+def ours_recipe(overrides: Sequence[str] = (), setup: Setup = FULL) -> TrainConfig:
+    """The RL recipe (configs/train/default.toml) with `overrides` of MACHINE_FIELDS only, checked before
+    anything runs: its workers must split the setup's episodes in flight evenly."""
     for item in overrides:
-        key = item.split("=", 1)[0].strip()
+        key = item.partition("=")[0].strip()
         if key not in MACHINE_FIELDS:
             raise ValueError(f"vs-trl --set {key}: only how ours uses the machine may change "
                              f"({', '.join(MACHINE_FIELDS)}); the tasks, sampling and algorithm are the "
                              "bench's")
-    return load_config(TrainConfig, CONFIGS / "train" / "default.toml", list(overrides))
+    config = load_config(TrainConfig, CONFIGS / "train" / "default.toml", list(overrides))
+    if (setup.group_size * setup.tasks_per_step) % config.rollout.workers:
+        raise ValueError(f"vs-trl: {setup.group_size * setup.tasks_per_step} episodes in flight do not split "
+                         f"over {config.rollout.workers} workers")
+    return config
 
 
 def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
              config: TrainConfig) -> dict[str, Any]:
+    """Ours' side on `config` (from ours_recipe), with the bench's tasks, sampling and algorithm."""
     from realtime_rl.rollout import train
 
     in_flight = setup.group_size * setup.tasks_per_step
-    if in_flight % config.rollout.workers:
-        raise ValueError(f"vs-trl: {in_flight} episodes in flight do not split over "
-                         f"{config.rollout.workers} workers")
     config = config.model_copy(update={
         "base_checkpoint": base, "run_dir": run_dir, "steps": steps, "max_minutes": budget,
         "checkpoint_keep": steps + 1,
@@ -315,10 +318,10 @@ def demo_base() -> Path:
 
 
 def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    recipe = ours_recipe(overrides)
+    setup = QUICK if quick else FULL
+    recipe = ours_recipe(overrides, setup)
     budget = float(os.environ.get("RTRL_BENCH_MINUTES", 1.0 if quick else BUDGET_MINUTES))
     gain = float(os.environ.get("RTRL_BENCH_GAIN", 0.0 if quick else TARGET_GAIN))
-    setup = QUICK if quick else FULL
     steps = 2 if quick else int(budget * 60 / MIN_STEP_S)
     eval_tasks = 4 if quick else EVAL_TASKS
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-vs-trl-") as tmp_name:
