@@ -77,6 +77,7 @@ def test_bench_vs_trl_quick():
     # quick: the target is the base itself, so both reach it at once
     assert m["target_pass_at_1"] == m["base_pass_at_1"]
     assert m["ours_minutes_to_target"] == m["trl_minutes_to_target"] == 0.0
+    assert {"ratio_monotone", "ours_minutes_to_target_monotone", "trl_minutes_to_target_monotone"} <= m.keys()
 
 
 def test_paired_lift_counts_tasks_that_changed_outcome():

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from realtime_rl.bench.vs_trl import FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, task_at
+from realtime_rl.bench.vs_trl import (
+    FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, monotone, ratio_of, task_at,
+)
 from realtime_rl.environments import WarmPool, run_episode
 from realtime_rl.environments.policies import ScriptedPolicy
 from realtime_rl.config import SandboxConfig
@@ -46,6 +48,28 @@ def test_minutes_to_target_interpolates_between_the_snapshots_around_it():
     assert minutes_to_target(curve, 0.30) == 0.0                  # the base already is there
     assert minutes_to_target(curve, 0.50) == pytest.approx(12.0)  # first reached at the last snapshot
     assert minutes_to_target(curve, 0.51) is None
+    # a target met exactly counts, whatever the floating-point sum of base and gain rounds to
+    assert minutes_to_target([(0.0, 0.34), (3.0, 0.40), (6.0, 88 / 200)], 0.34 + 0.10) == pytest.approx(6.0)
+
+
+def test_the_monotone_fit_needs_the_curves_level_not_one_snapshot_to_reach_the_target():
+    # the shape of 2026-11-24's run: one snapshot touches the target, the curve then sits below it
+    curve = [(0.0, 0.38), (1.0, 0.435), (1.5, 0.48), (2.0, 0.465), (3.0, 0.45), (6.0, 0.465), (12.0, 0.49)]
+    fit = monotone(curve)
+    assert [m for m, _ in fit] == [m for m, _ in curve]
+    assert all(a[1] <= b[1] for a, b in zip(fit, fit[1:]))
+    assert fit[2][1] == pytest.approx((0.48 + 0.465 + 0.45 + 0.465) / 4)  # the dip pooled with the touch
+    assert minutes_to_target(curve, 0.48) == pytest.approx(1.5)
+    assert minutes_to_target(fit, 0.48) == pytest.approx(6.0 + (0.48 - 0.465) / (0.49 - 0.465) * 6.0)
+    rising = [(0.0, 0.30), (3.0, 0.36), (6.0, 0.44)]
+    assert monotone(rising) == rising  # a curve that never falls is its own fit
+
+
+def test_ratio_is_trls_minutes_over_ours_and_a_lower_bound_when_trl_never_gets_there():
+    assert ratio_of(2.0, 8.0, 12.0) == (4.0, False)
+    assert ratio_of(2.0, None, 12.0) == (6.0, True)  # TRL's whole budget stands in
+    assert ratio_of(None, 8.0, 12.0) == (None, False)
+    assert ratio_of(0.0, 0.0, 12.0) == (None, False)  # the base already is at the target
 
 
 def test_set_may_change_only_how_ours_uses_the_machine():
