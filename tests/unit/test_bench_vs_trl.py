@@ -72,6 +72,16 @@ def test_ratio_is_trls_minutes_over_ours_and_a_lower_bound_when_trl_never_gets_t
     assert ratio_of(0.0, 0.0, 12.0) == (None, False)  # the base already is at the target
 
 
+def test_task_ranges_are_checked_before_anything_runs():
+    from realtime_rl.bench.vs_trl import EVAL_TASKS, MIN_STEP_S, BUDGET_MINUTES, check_task_ranges
+
+    check_task_ranges(int(BUDGET_MINUTES * 60 / MIN_STEP_S), FULL.tasks_per_step, EVAL_TASKS)  # the bench's own
+    with pytest.raises(ValueError, match="6912 distinct train tasks"):
+        check_task_ranges(10, 4, 600)  # past the last task of the split
+    with pytest.raises(ValueError, match="must not overlap"):
+        check_task_ranges(1000, 4, 200)  # the training stream would run into the evaluation's tasks
+
+
 def test_set_may_change_only_how_ours_uses_the_machine():
     from realtime_rl.bench import run_benchmark
     from realtime_rl.bench.vs_trl import ours_recipe

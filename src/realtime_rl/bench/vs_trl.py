@@ -50,6 +50,7 @@ from realtime_rl.config import AgentConfig, SandboxConfig, TrainConfig, load_con
 from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, grade, load_task, run_episode
 from realtime_rl.environments.agent_loop import PolicyOutput, first_turn_messages
 from realtime_rl.environments.grading import GradeCache
+from realtime_rl.environments.synthetic import split_size
 from realtime_rl.environments.tools import TOOL_SCHEMAS
 from realtime_rl.model import load_checkpoint
 from realtime_rl.model.chat import render_messages
@@ -60,9 +61,10 @@ TASK_START = 4000
 """Train-split difficulty-1 tasks 4000.. : past the demo base model's corpus (0..3999)."""
 EVAL_START = 6400
 """The evaluation's tasks (a 30-minute training stream ends far before them)."""
-EVAL_TASKS = 600
-"""+-4 points at 95% per snapshot (200 gave +-7, and the crossing swung by minutes on one snapshot);
-the 19 evaluations take ~6 minutes per 200 tasks on 2 cores."""
+EVAL_TASKS = 500
+"""+-4.4 points at 95% per snapshot (200 gave +-7, and the crossing swung by minutes on one snapshot);
+tasks 6400..6899 of the 6,912 distinct train-split difficulty-1 ones (`check_task_ranges`). The 19
+evaluations take ~6 minutes per 200 tasks on 2 cores."""
 LR = 1e-4
 BUDGET_MINUTES = 12.0
 TARGET_GAIN = 0.10
@@ -161,7 +163,7 @@ def minutes_to_target(curve: list[tuple[float, float]], target: float) -> float 
 
 def monotone(curve: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The non-decreasing curve nearest `curve` in least squares (isotonic regression, pool adjacent
-    violators): each snapshot's pass@1 is a sample (+-4 points at 95% on 600 tasks), and one lucky snapshot
+    violators): each snapshot's pass@1 is a sample (+-4.4 points at 95% on 500 tasks), and one lucky snapshot
     at the target decides `minutes_to_target` on the raw curve; the fit pools a dip with the points around
     it, so a crossing needs the curve's level, not one point, to reach the target. Progress over a short run
     is taken to be monotone; a real regression shows as a pooled plateau, not as a fall."""
@@ -335,6 +337,17 @@ def pass_at_1(checkpoint: str | Path, num_tasks: int, agent: AgentConfig) -> dic
     return {"pass_at_1": r["pass_at_1"], "ci95": list(r["ci95"]), "malformed": r["malformed_tool_calls"]}
 
 
+def check_task_ranges(steps: int, tasks_per_step: int, eval_tasks: int) -> None:
+    """Before anything runs: the training stream (TASK_START..) and the evaluation's tasks (EVAL_START..) must
+    exist and must not meet, or a run would fail (or evaluate on trained tasks) after its training."""
+    available = split_size("train", 1)
+    last_trained = TASK_START + steps * tasks_per_step
+    if last_trained > EVAL_START or EVAL_START + eval_tasks > available:
+        raise ValueError(f"vs-trl: training tasks {TASK_START}..{last_trained - 1} and evaluation tasks "
+                         f"{EVAL_START}..{EVAL_START + eval_tasks - 1} must not overlap and must lie within the "
+                         f"{available} distinct train tasks of difficulty 1")
+
+
 def demo_base() -> Path:
     from realtime_rl.config.demo import DemoConfig
     from realtime_rl.train import ensure_base_model
@@ -350,6 +363,7 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     gain = float(os.environ.get("RTRL_BENCH_GAIN", 0.0 if quick else TARGET_GAIN))
     steps = 2 if quick else int(budget * 60 / MIN_STEP_S)
     eval_tasks = 4 if quick else EVAL_TASKS
+    check_task_ranges(steps, setup.tasks_per_step, eval_tasks)
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-vs-trl-") as tmp_name:
         tmp = Path(tmp_name)
         if os.environ.get("RTRL_BENCH_BASE"):
