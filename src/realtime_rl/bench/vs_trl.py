@@ -60,7 +60,9 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 TASK_START = 4000
 """Train-split difficulty-1 tasks 4000.. : past the demo base model's corpus (0..3999)."""
 EVAL_START = 6400
-"""The evaluation's tasks (a 30-minute training stream ends far before them)."""
+"""The evaluation's tasks: the training stream of a budget up to 20 minutes (its step cap, budget /
+MIN_STEP_S, times 4 tasks) ends before them; `check_task_ranges` refuses a longer `RTRL_BENCH_MINUTES`
+before anything runs."""
 EVAL_TASKS = 500
 """+-4.4 points at 95% per snapshot (200 gave +-7, and the crossing swung by minutes on one snapshot);
 tasks 6400..6899 of the 6,912 distinct train-split difficulty-1 ones (`check_task_ranges`). The 19
