@@ -181,6 +181,15 @@ def ratio_of(ours: float | None, trl: float | None, trl_budget: float) -> tuple[
     return (trl if trl is not None else trl_budget) / max(ours, 1e-9), trl is None
 
 
+def crossings(curves: dict[str, list[tuple[float, float]]], target: float, trl_budget: float,
+              suffix: str = "") -> dict[str, Any]:
+    """Both sides' minutes to `target` on these curves and their ratio, under the JSON's names + `suffix`."""
+    ours, trl = minutes_to_target(curves["ours"], target), minutes_to_target(curves["trl"], target)
+    ratio, lower_bound = ratio_of(ours, trl, trl_budget)
+    return {f"ours_minutes_to_target{suffix}": ours, f"trl_minutes_to_target{suffix}": trl,
+            f"ratio{suffix}": ratio, f"ratio{suffix}_is_lower_bound": lower_bound}
+
+
 def marks(budget: float) -> list[float]:
     return [budget * f for f in SNAPSHOT_FRACTIONS]
 
@@ -385,20 +394,10 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     target = base_eval["pass_at_1"] + gain
     curves = {side: [(0.0, base_eval["pass_at_1"])] + [(m, e["pass_at_1"]) for m, e in evals[side]]
               for side in evals}
-    ours_t, trl_t = minutes_to_target(curves["ours"], target), minutes_to_target(curves["trl"], target)
-    ratio, lower_bound = ratio_of(ours_t, trl_t, trl["minutes"])
     fits = {side: monotone(curve) for side, curve in curves.items()}
-    ours_m, trl_m = minutes_to_target(fits["ours"], target), minutes_to_target(fits["trl"], target)
-    ratio_m, lower_bound_m = ratio_of(ours_m, trl_m, trl["minutes"])
     return {
-        "ours_minutes_to_target": ours_t,
-        "trl_minutes_to_target": trl_t,
-        "ratio": ratio,
-        "ratio_is_lower_bound": lower_bound,
-        "ours_minutes_to_target_monotone": ours_m,
-        "trl_minutes_to_target_monotone": trl_m,
-        "ratio_monotone": ratio_m,
-        "ratio_monotone_is_lower_bound": lower_bound_m,
+        **crossings(curves, target, trl["minutes"]),
+        **crossings(fits, target, trl["minutes"], "_monotone"),
         "target_pass_at_1": target,
         "base_pass_at_1": base_eval["pass_at_1"],
         "budget_minutes": budget,
