@@ -323,6 +323,62 @@ def test_a_new_sequence_never_gets_older_keys_values(moe):
     assert engine.prefix_hit_tokens == len(shared)
 
 
+def run_staggered(engine, arrivals, params):
+    """Add each prompt at its step (arrivals: [(step, prompt)]) and step until all finish; outputs in order."""
+    ids, results, step = {}, {}, 0
+    while len(results) < len(arrivals):
+        for i, (at, prompt) in enumerate(arrivals):
+            if at == step:
+                ids[engine.add_request(prompt, SamplingParams(**{**params, "seed": 10 * i}))] = i
+        results.update({ids[out.request_id]: out.samples[0] for out in engine.step()})
+        step += 1
+    return [results[i] for i in range(len(arrivals))]
+
+
+def assert_same_samples(xs, ys):
+    for x, y in zip(xs, ys, strict=True):
+        assert x.token_ids == y.token_ids and x.versions == y.versions
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        assert x.routing.shape == y.routing.shape and (x.routing == y.routing).all()
+
+
+def test_a_groups_episodes_share_one_prefill_and_in_flight_prompts_are_copied_changing_nothing(moe):
+    """Three requests with one prompt in one step prefill it once; a request arriving while another with the
+    same system prompt decodes copies that prefix instead of recomputing it. Tokens, logprobs and routing
+    are those of an engine that recomputes everything."""
+    system, task_a, task_b = prompts(24, 5, 7, seed=4)
+    arrivals = [(0, system + task_a)] * 3 + [(0, task_b), (2, system + task_b), (3, system + task_a)]
+    params = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    engine = Engine(moe, max_batch=8, max_seq_len=96)
+    outs = run_staggered(engine, arrivals, params)
+    # the two copies of the first prompt, then the system prompt and all of system + task_a (one token kept
+    # for its logits) from the first request, still decoding
+    assert engine.prefix_hit_tokens == 2 * len(system + task_a) + len(system) + len(system + task_a) - 1
+    assert_same_samples(outs, run_staggered(Engine(moe, max_batch=8, max_seq_len=96, prefix_caching=False),
+                                            arrivals, params))
+
+
+def test_sequences_in_flight_lend_nothing_computed_by_older_weights(moe):
+    engine = Engine(moe, max_batch=4, max_seq_len=96, prefix_max_age=2)
+    shared = prompts(16)[0]
+    engine.add_request(shared + [1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.update_weights({k: v.clone() for k, v in moe.named_parameters()}, version=1)
+    engine.step()  # swapped: the first request decodes on, its prompt's keys/values version 0's
+    assert engine.num_running == 1
+    engine.add_request(shared + [2], GREEDY)
+    engine.step()
+    assert engine.prefix_hit_tokens == 0
+
+
+def test_the_grpo_batch_benchmark_times_both_ways(moe):
+    from realtime_rl.bench.engine import grpo_batch_s
+
+    m = grpo_batch_s(moe, repeats=1, groups=2, group_size=3, system_len=20, task_len=4, new_tokens=3)
+    assert m["grpo_shared_s"] > 0 and m["grpo_recomputed_s"] > 0
+    assert m["grpo_sharing_speedup"] == pytest.approx(m["grpo_recomputed_s"] / m["grpo_shared_s"])
+
+
 @pytest.mark.slow
 def test_the_compiled_decode_step_changes_nothing_and_survives_swaps(moe):
     """compile_decode: the same tokens, logprobs, routing and versions as the eager engine, for one row and

@@ -59,6 +59,29 @@ def test_a_sample_sharing_a_prompt_takes_on_its_version():
     assert hit == 0 and slots.kv_version[second] == 3
 
 
+def test_a_slot_in_use_lends_its_prompt_only_when_the_current_weights_computed_all_of_it():
+    slots = table(3, max_age=2)
+    a, _ = slots.take([1, 2, 3, 4], 0)
+    assert slots.live_prefix([1, 2, 3, 5], 0) == (None, 0)  # taken but not yet prefilled
+    slots.hold(a, [1, 2, 3, 4], None)
+    assert slots.live_prefix([1, 2, 3, 5], 0) == (a, 3)
+    assert slots.live_prefix([1, 2, 3, 4], 0) == (a, 3)  # one prompt token is recomputed, for its logits
+    assert slots.live_prefix([9, 2], 0) == (None, 0)
+    # A free slot's cache is taken only when it holds more than the slot in use would lend.
+    b, _ = slots.take([7], 0)
+    slots.release(b, [1, 2, 9], 2, None)
+    assert slots.take([1, 2, 3, 5], 0, beat=3) == (2, 0)  # the least recently freed one, nothing reused
+    slots.release(2, [], 0, None)
+    assert slots.take([1, 2, 9, 9], 0, beat=1) == (b, 3)
+    # Weights moved on (even within prefix_max_age) or rolled back: not lent.
+    assert slots.live_prefix([1, 2, 3, 5], 1) == (None, 0)
+    slots.rollback()
+    assert slots.live_prefix([1, 2, 3, 5], 0) == (None, 0)
+    # Freed, its cache is a free slot's again.
+    slots.release(a, [1, 2, 3, 4], 4, None)
+    assert slots.live_prefix([1, 2, 3, 5], 0) == (None, 0)
+
+
 def test_routing_is_needed_for_reuse_when_the_engine_records_it():
     slots = SlotTable(1, version=0, prefix_caching=True, prefix_max_age=0, need_routing=True)
     slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)

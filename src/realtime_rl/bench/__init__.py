@@ -20,7 +20,8 @@ import torch
 BENCHMARKS = {
     "parity": "our Qwen3 / Qwen3-MoE logits against transformers', both load directions",
     "sandbox": "cold and warm sandboxed test runs: latency, throughput, isolation level, escapes contained",
-    "engine": "decode tokens/s of our engine against transformers' generate (batch 1, 8, 32), capture cost, swap pause",
+    "engine": "decode tokens/s of our engine against transformers' generate (batch 1, 8, 32), capture cost, "
+              "swap pause, GRPO groups' prefix sharing",
     "mismatch": "engine logprobs against the trainer's full-sequence forward on a tiny MoE, with and without router replay",
     "delta": "weight-delta ratio vs the peers' encodings and the entropy bound on real AdamW steps, codec speed, swap pause",
     "learn": "held-out pass@1 of the default base model, then after the default RL recipe, and the RL wall time",

@@ -10,7 +10,11 @@ with the rows in scattered slots (28 of 32, 1,500-2,000 cached tokens each, what
 over agent episodes leaves), read through a slot window (`scattered_window_ms`), gathered
 (`scattered_gather_ms`) and row by row (`scattered_rows_ms`); and the same for a ragged batch as a
 rollout worker's engine runs one (14 rows in slots 0-27, 300-3,000 cached tokens each: `ragged_*_ms`,
-`ragged_rows_speedup` against the window, which the engine used before it chose by cost).
+`ragged_rows_speedup` against the window, which the engine used before it chose by cost). Last, a
+rollout worker's batch of GRPO groups (4 tasks x 8 episodes, one ~690-token prompt per task of which 600
+tokens are a system prompt all share, 70 sampled tokens each): with prefix sharing between requests
+admitted together and sequences in flight (`grpo_shared_s`) and with every prompt prefilled afresh
+(`grpo_recomputed_s`, as the engine did before it shared), and their ratio `grpo_sharing_speedup`.
 """
 
 from __future__ import annotations
@@ -121,6 +125,31 @@ def scattered_decode_ms(model: Qwen3ForCausalLM, repeats: int, slots: int = 32,
     return {f"{name}_{way}_ms": statistics.median(t) for way, t in times.items()}
 
 
+def grpo_batch_s(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_size: int = 8,
+                 system_len: int = 600, task_len: int = 90, new_tokens: int = 70) -> dict[str, float]:
+    """Seconds (median of `repeats`, alternated) to sample `groups` GRPO groups of `group_size` episodes, each
+    episode its own request as a rollout worker's agent loop sends them, with and without prefix caching."""
+    gen = torch.Generator().manual_seed(1)
+    system = torch.randint(0, model.config.vocab_size, (system_len,), generator=gen).tolist()
+    vocab = model.config.vocab_size
+    tasks = [torch.randint(0, vocab, (task_len,), generator=gen).tolist() for _ in range(groups)]
+    prompts = [system + task for task in tasks for _ in range(group_size)]
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    engines = {way: Engine(model, max_batch=len(prompts), max_seq_len=system_len + task_len + new_tokens + 1,
+                           prefix_caching=way == "shared") for way in ("shared", "recomputed")}
+    times: dict[str, list[float]] = {way: [] for way in engines}
+    for _ in range(repeats):
+        for way, engine in engines.items():
+            engine.slots.rollback()  # nothing from the last repeat is reused
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            times[way].append(time.perf_counter() - t0)
+            assert all(len(o.samples[0].token_ids) == new_tokens for o in outs)
+    shared_s, recomputed_s = statistics.median(times["shared"]), statistics.median(times["recomputed"])
+    return {"grpo_shared_s": shared_s, "grpo_recomputed_s": recomputed_s,
+            "grpo_sharing_speedup": recomputed_s / shared_s}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -174,4 +203,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics |= scattered_decode_ms(model, repeats=2 if quick else 5, free=ragged_free, context=(300, 3000),
                                    name="ragged")
     metrics["ragged_rows_speedup"] = metrics["ragged_window_ms"] / metrics["ragged_rows_ms"]
+    metrics |= (grpo_batch_s(model, repeats=1, groups=2, group_size=2, system_len=40, task_len=8, new_tokens=4)
+                if quick else grpo_batch_s(model, repeats=3))
     return metrics

@@ -13,10 +13,13 @@ policy version whose weights produced it, its logprobs and its MoE routing.
 Prefix caching (slots.py keeps the slots): a freed slot keeps its keys/values (and routing) until reused.
 A new request takes the free slot whose cached tokens share the longest prefix with its prompt and
 prefills only the rest, so an agent's next turn (its previous context + the tool results) costs only the
-new tokens. The cache is reused only under the weights that computed it (`prefix_max_age` 0, the default:
-serving), or, with `prefix_max_age` k, by a continuation of the cached sequence (an agent's next turn:
-the new prompt runs past the old prompt into what was generated) while its oldest keys/values are at most
-k versions old. As with PipelineRL's in-flight updates, that turn reuses keys/values (and routing) older
+new tokens. Sequences in flight share too: a request whose prompt shares a longer prefix with the prompt
+of a running sequence that the current weights computed copies those keys/values, and requests admitted
+in one step with the same prompt (a GRPO group's episodes) share one prefill as a request's n samples do.
+The cache is reused only under the weights that computed it (`prefix_max_age` 0, the default: serving),
+or, with `prefix_max_age` k, by a continuation of the cached sequence (an agent's next turn: the new
+prompt runs past the old prompt into what was generated) while its oldest keys/values are at most k
+versions old. As with PipelineRL's in-flight updates, that turn reuses keys/values (and routing) older
 weights computed and only its new tokens see the new weights; its tokens' logprobs are still exactly what
 the sampler used, and the trainer's decoupled objective corrects the difference. An episode that has not
 yet spanned a swap never gets older keys/values (a new episode sharing only the system prompt with a
@@ -32,7 +35,7 @@ constructor compiles both graphs (tens of seconds on two cores; inductor caches 
 the next process), so no request waits on it; the weights stay inputs of the graph, so hot swaps need no
 recompilation. Prefill stays eager.
 
-Not here: paged attention, prefix sharing between running sequences, chunked prefill, speculative decoding.
+Not here: paged attention (shared prefixes are copied, not referenced), chunked prefill, speculative decoding.
 """
 
 from __future__ import annotations
@@ -243,60 +246,91 @@ class Engine:
         return finished
 
     def _admit_and_prefill(self, finished: list[RequestOutput]) -> None:
-        admitted: list[tuple[_Request, int]] = []  # (request, prompt tokens its slot already holds)
+        admitted: list[_Request] = []  # prefilled in this step's forward
+        hits: list[int] = []  # how many leading prompt tokens each one's slot already holds
+        followers: list[tuple[_Request, _Request]] = []  # (request, the admitted one with the same prompt)
+        cached_routing: dict[int, torch.Tensor | None] = {}  # request index in `admitted` -> its reused rows
+        leaders: dict[tuple[int, ...], _Request] = {}
         with self._lock:
             while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
                 req = self._waiting.popleft()
                 if req.aborted:
                     finished.append(self._output(req, "abort"))
                     continue
-                reuse = []
+                key = tuple(req.prompt_ids)
+                leader = leaders.get(key) if self.slots.prefix_caching else None
                 for i in range(req.params.n):
                     seed = None if req.params.seed is None else req.params.seed + i
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
                     gen = torch.Generator(device=self.device).manual_seed(seed)
-                    # Samples after the first get a copy of sample 0's prompt keys/values, cached part included.
-                    slot, hit = (self.slots.take(req.prompt_ids, self.version) if i == 0 else
-                                 self.slots.take(None, self.version, shares=req.seqs[0].slot))
-                    reuse.append(hit)
+                    if i == 0 and leader is None:
+                        slot, hit = self._take_with_prefix(req.prompt_ids, len(admitted), cached_routing)
+                        hits.append(hit)
+                    else:
+                        # A copy of the prompt's keys/values: sample 0's, or those of the request admitted
+                        # with the same prompt.
+                        slot, _ = self.slots.take(None, self.version, shares=(leader or req).seqs[0].slot)
                     req.seqs.append(_Seq(req, i, slot, gen))
-                admitted.append((req, reuse[0]))
+                if leader is None:
+                    admitted.append(req)
+                    leaders.setdefault(key, req)
+                else:
+                    followers.append((req, leader))
         if not admitted:
             return
-        lengths = [len(r.prompt_ids) for r, _ in admitted]
-        starts = [hit for _, hit in admitted]
-        T = max(n - s for n, s in zip(lengths, starts))
+        lengths = [len(r.prompt_ids) for r in admitted]
+        T = max(n - s for n, s in zip(lengths, hits))
         ids = torch.zeros(len(admitted), T, dtype=torch.long)
         positions = torch.zeros(len(admitted), T, dtype=torch.long)
-        for b, (req, start) in enumerate(admitted):
+        for b, (req, start) in enumerate(zip(admitted, hits)):
             new = lengths[b] - start
             ids[b, :new] = torch.tensor(req.prompt_ids[start:])
             # Padding writes throwaway keys past the prompt (overwritten before any query reaches them).
             positions[b] = torch.cat([torch.arange(start, lengths[b]),
                                       torch.arange(lengths[b], lengths[b] + T - new).clamp(max=self.max_seq_len - 1)])
-        self.prefill_tokens += sum(lengths)
-        self.prefix_hit_tokens += sum(starts)
-        slots = torch.tensor([r.seqs[0].slot for r, _ in admitted])
+        self.prefill_tokens += sum(lengths) + sum(len(r.prompt_ids) for r, _ in followers)
+        self.prefix_hit_tokens += sum(hits) + sum(len(r.prompt_ids) for r, _ in followers)
+        slots = torch.tensor([r.seqs[0].slot for r in admitted])
         with torch.no_grad():
             out = self.model(ids.to(self.device), positions.to(self.device), kv_cache=self.cache,
                              cache_slots=slots.to(self.device), capture_routing=self.capture_routing)
         now = time.perf_counter()
-        last = torch.tensor([n - s for n, s in zip(lengths, starts)]) - 1
+        last = torch.tensor([n - s for n, s in zip(lengths, hits)]) - 1
         logits_BV = out.logits_BTV[torch.arange(len(admitted)), last.to(self.device)]
-        rows: list[_Seq] = []
-        row_logits = []
-        for b, (req, start) in enumerate(admitted):
-            req.prefilled = now
-            cached = self.slots.pop_routing(req.seqs[0].slot)
+        row_of: dict[int, torch.Tensor] = {}
+        for b, (req, start) in enumerate(zip(admitted, hits)):
+            cached = cached_routing[b] if b in cached_routing else self.slots.pop_routing(req.seqs[0].slot)
             if out.routing_BTLK is not None:
                 computed = out.routing_BTLK[b, : lengths[b] - start].cpu()
                 req.prompt_routing = torch.cat([cached[:start], computed]) if start else computed
-            for seq in req.seqs[1:]:
-                self.cache.copy_prefix(req.seqs[0].slot, seq.slot, lengths[b])
+            row_of[id(req)] = logits_BV[b]
+        rows: list[_Seq] = []
+        row_logits = []
+        for req, leader in [(r, r) for r in admitted] + followers:
+            req.prefilled = now
+            req.prompt_routing = leader.prompt_routing
+            for seq in req.seqs:
+                if seq.slot != leader.seqs[0].slot:
+                    self.cache.copy_prefix(leader.seqs[0].slot, seq.slot, len(req.prompt_ids))
+                self.slots.hold(seq.slot, req.prompt_ids, req.prompt_routing)
             rows += req.seqs
-            row_logits += [logits_BV[b]] * len(req.seqs)
+            row_logits += [row_of[id(leader)]] * len(req.seqs)
         self._sample(rows, torch.stack(row_logits))
         self._running += rows
+
+    def _take_with_prefix(self, prompt: list[int], index: int, cached_routing: dict[int, torch.Tensor | None]
+                          ) -> tuple[int, int]:
+        """A slot for a request's prompt, and how much of it is already there: the longest prefix a free
+        slot's cache holds, or a copy of a longer one from a slot in use (its routing kept in
+        cached_routing[index])."""
+        source, live_hit = self.slots.live_prefix(prompt, self.version)
+        slot, hit = self.slots.take(prompt, self.version, beat=live_hit)
+        if live_hit and not hit:
+            self.cache.copy_prefix(source, slot, live_hit)
+            self.slots.pop_routing(slot)
+            cached_routing[index] = self.slots.routing[source]
+            hit = live_hit
+        return slot, hit
 
     def _decode(self) -> None:
         seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)

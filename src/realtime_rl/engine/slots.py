@@ -1,7 +1,9 @@
 """The engine's KV-cache slots: which are free, what a freed slot still holds, which one a request takes.
 
     slots = SlotTable(32, version=0, prefix_caching=True, prefix_max_age=2, need_routing=True)
-    slot, hit = slots.take(prompt_ids, version)       # hit: leading prompt tokens its cache already holds
+    source, live_hit = slots.live_prefix(prompt_ids, version)  # a running slot holding more of the prompt
+    slot, hit = slots.take(prompt_ids, version, beat=live_hit)  # hit: leading prompt tokens its cache holds
+    slots.hold(slot, prompt_ids, routing)             # prefilled: other requests may copy its prompt
     slots.release(slot, tokens, prompt_len, routing)   # free again; the cache stays for the next taker
     batch = decode_slots([3, 4, 6], [900, 40, 2100], gather=False, device=device)  # how a decode step reads
 
@@ -10,6 +12,11 @@ it is reused. `take` gives a request the free slot whose cache shares the longes
 under the reuse rules of engine.py's docstring (the weights that computed the cache, or a continuation of
 the cached sequence within `prefix_max_age` versions, never across a rollback), else the least recently
 freed slot. Each slot remembers the version of its oldest keys/values and the cache epoch they belong to.
+
+A slot in use holds its prompt's keys/values from its prefill on (`hold`); `live_prefix` finds the one
+sharing the longest prefix with a new prompt among those the current weights computed entirely, so the
+engine copies it instead of recomputing it (the episodes of one GRPO group, or of tasks sharing a system
+prompt, arriving while another is still decoding): exact, since the same weights computed it.
 """
 
 from __future__ import annotations
@@ -53,15 +60,16 @@ class SlotTable:
         """The weights went back to an older version: nothing cached so far is reusable."""
         self.epoch += 1
 
-    def take(self, prompt: Sequence[int] | None, version: int, shares: int | None = None) -> tuple[int, int]:
+    def take(self, prompt: Sequence[int] | None, version: int, shares: int | None = None,
+             beat: int = 0) -> tuple[int, int]:
         """(a free slot, how many leading prompt tokens its cache already holds), for weights `version`.
 
-        The slot with the longest reusable cached prefix of `prompt` when there is one (at least one prompt
-        token is always recomputed, for its logits); otherwise the least recently freed slot. `shares`: the
-        slot whose prompt keys/values this one will receive a copy of (another sample of the same request);
-        it takes on that slot's version and epoch.
+        The slot with the longest reusable cached prefix of `prompt`, if longer than `beat` (what a slot in
+        use could give, `live_prefix`); otherwise the least recently freed slot. At least one prompt token is
+        always recomputed, for its logits. `shares`: the slot whose prompt keys/values this one will receive
+        a copy of (another sample of the same request); it takes on that slot's version and epoch.
         """
-        best, best_hit = None, 0
+        best, best_hit = None, beat
         if prompt is not None and self.prefix_caching:
             p = np.asarray(prompt)
             for slot in self.free:
@@ -80,7 +88,7 @@ class SlotTable:
                 if hit > best_hit:
                     best, best_hit = slot, hit
         if best is None:
-            best = min(self.free, key=lambda s: (self._freed_at[s], s))
+            best, best_hit = min(self.free, key=lambda s: (self._freed_at[s], s)), 0
         self.free.remove(best)
         self.tokens[best] = None
         if shares is not None:
@@ -88,6 +96,33 @@ class SlotTable:
         elif not best_hit:
             self.kv_version[best], self.kv_epoch[best] = version, self.epoch
         return best, best_hit
+
+    def live_prefix(self, prompt: Sequence[int], version: int) -> tuple[int | None, int]:
+        """(the slot in use whose held prompt shares the longest prefix with `prompt`, how many tokens; at
+        least one prompt token left to recompute), among those whose every key/value weights `version`
+        computed in this epoch; (None, 0) when none shares any."""
+        best, best_hit = None, 0
+        if not self.prefix_caching:
+            return best, best_hit
+        p = np.asarray(prompt)
+        for slot, held in enumerate(self.tokens):
+            if held is None or slot in self.free:
+                continue
+            if self.kv_version[slot] != version or self.kv_epoch[slot] != self.epoch:
+                continue  # some of its keys/values older weights computed
+            if self.need_routing and self.routing[slot] is None:
+                continue
+            n = min(len(held), len(p) - 1)
+            differ = np.flatnonzero(held[:n] != p[:n])
+            hit = int(differ[0]) if len(differ) else n
+            if hit > best_hit:
+                best, best_hit = slot, hit
+        return best, best_hit
+
+    def hold(self, slot: int, prompt: Sequence[int], routing: torch.Tensor | None) -> None:
+        """`slot`, in use, now holds the keys/values (and routing) of `prompt`: others may copy them."""
+        self.tokens[slot] = np.asarray(prompt)
+        self.routing[slot] = routing
 
     def pop_routing(self, slot: int) -> torch.Tensor | None:
         """The cached routing of a slot just taken (its prefix's rows), no longer kept for the slot."""
