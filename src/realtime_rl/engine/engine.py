@@ -250,15 +250,15 @@ class Engine:
         hits: list[int] = []  # how many leading prompt tokens each one's slot already holds
         followers: list[tuple[_Request, _Request]] = []  # (request, the admitted one with the same prompt)
         cached_routing: dict[int, torch.Tensor | None] = {}  # request index in `admitted` -> its reused rows
-        leaders: dict[tuple[int, ...], _Request] = {}
+        leaders: dict[tuple[int, ...], _Request] = {}  # the first admitted request with each prompt
         with self._lock:
             while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
                 req = self._waiting.popleft()
                 if req.aborted:
                     finished.append(self._output(req, "abort"))
                     continue
-                key = tuple(req.prompt_ids)
-                leader = leaders.get(key) if self.slots.prefix_caching else None
+                key = tuple(req.prompt_ids) if self.slots.prefix_caching else None
+                leader = leaders.get(key) if key is not None else None
                 for i in range(req.params.n):
                     seed = None if req.params.seed is None else req.params.seed + i
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
@@ -273,7 +273,8 @@ class Engine:
                     req.seqs.append(_Seq(req, i, slot, gen))
                 if leader is None:
                     admitted.append(req)
-                    leaders.setdefault(key, req)
+                    if key is not None:
+                        leaders[key] = req
                 else:
                     followers.append((req, leader))
         if not admitted:
