@@ -7,7 +7,7 @@ import json
 import pytest
 
 from realtime_rl.bench.vs_trl import (
-    FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, monotone, ratio_of, task_at,
+    FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, monotone, ratio_of, snapshot_steps, task_at,
 )
 from realtime_rl.environments import WarmPool, run_episode
 from realtime_rl.environments.policies import ScriptedPolicy
@@ -93,3 +93,10 @@ def test_set_may_change_only_how_ours_uses_the_machine():
         run_benchmark("vs-trl", quick=True, overrides=["rollout.temperature=0.5"])
     with pytest.raises(ValueError, match="do not split over 3 workers"):  # before any model is built
         run_benchmark("vs-trl", quick=True, overrides=["rollout.workers=3"])
+
+
+def test_ours_snapshots_go_forward_in_time_and_a_mark_before_the_first_step_is_the_bases():
+    # budget 1 minute: marks at 1/24, 2/24, 3/24, 4/24, 6/24, ... of a minute
+    assert snapshot_steps([0.067, 0.093], 1.0) == [0, 1]  # no step by the first mark: skipped, not the last step
+    assert snapshot_steps([0.01, 0.02, 0.5, 0.9, 1.2], 1.0) == [1, 2, 3]  # a step past the budget is not one
+    assert snapshot_steps([1.5], 1.0) == [0]  # not one step within the budget: the first

@@ -194,6 +194,17 @@ def marks(budget: float) -> list[float]:
     return [budget * f for f in SNAPSHOT_FRACTIONS]
 
 
+def snapshot_steps(step_minutes: list[float], budget: float) -> list[int]:
+    """Ours' snapshots: for each mark, the last step that ended by it (a mark no step ended by is the base's),
+    each step once, in time order; the first step when none ended within the budget."""
+    steps: list[int] = []
+    for mark in marks(budget):
+        done = [i for i, m in enumerate(step_minutes) if m <= mark + 1e-9]
+        if done and (not steps or steps[-1] != done[-1]):
+            steps.append(done[-1])
+    return steps or [0]
+
+
 # ------------------------------------------------------------------------------------------ ours
 
 MACHINE_FIELDS = ("max_staleness", "threads", "rollout.workers", "rollout.threads_per_worker",
@@ -241,12 +252,8 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
     history = summary["history"]
     minutes = [m["train/minutes"] for m in history]
     first = summary["version"] - len(history)
-    snapshots = []
-    for mark in marks(budget):  # the last version whose step ended by the mark (checkpoint_keep keeps all)
-        done = [i for i, m in enumerate(minutes) if m <= mark + 1e-9] or [len(minutes) - 1]
-        i = done[-1]
-        if not snapshots or snapshots[-1][0] != minutes[i]:
-            snapshots.append((minutes[i], str(run_dir / "checkpoints" / f"v-{first + i + 1:07d}")))
+    snapshots = [(minutes[i], str(run_dir / "checkpoints" / f"v-{first + i + 1:07d}"))
+                 for i in snapshot_steps(minutes, budget)]  # checkpoint_keep keeps them all
     return {"snapshots": snapshots, "steps": summary["steps_this_run"], "minutes": summary["minutes"],
             "step_minutes": minutes, "pass_rates": [m["train/pass_rate"] for m in history],
             "trainer_idle_fraction": summary["trainer_idle_fraction"],
