@@ -130,8 +130,8 @@ def grpo_batch_s(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_s
     """Seconds (median of `repeats`, alternated) to sample `groups` GRPO groups of `group_size` episodes, each
     episode its own request as a rollout worker's agent loop sends them, with and without prefix caching."""
     gen = torch.Generator().manual_seed(1)
-    system = torch.randint(0, model.config.vocab_size, (system_len,), generator=gen).tolist()
     vocab = model.config.vocab_size
+    system = torch.randint(0, vocab, (system_len,), generator=gen).tolist()
     tasks = [torch.randint(0, vocab, (task_len,), generator=gen).tolist() for _ in range(groups)]
     prompts = [system + task for task in tasks for _ in range(group_size)]
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)

@@ -248,9 +248,9 @@ class Engine:
     def _admit_and_prefill(self, finished: list[RequestOutput]) -> None:
         admitted: list[_Request] = []  # prefilled in this step's forward
         hits: list[int] = []  # how many leading prompt tokens each one's slot already holds
-        followers: list[tuple[_Request, _Request]] = []  # (request, the admitted one with the same prompt)
-        cached_routing: dict[int, torch.Tensor | None] = {}  # request index in `admitted` -> its reused rows
-        leaders: dict[tuple[int, ...], _Request] = {}  # the first admitted request with each prompt
+        reused_routing: list[torch.Tensor | None] = []  # and the routing of those tokens
+        leaders: dict[tuple[int, ...], int] = {}  # a prompt -> the index in `admitted` of its first request
+        followers: list[tuple[_Request, int]] = []  # (request, its prompt's leader) for later ones
         with self._lock:
             while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
                 req = self._waiting.popleft()
@@ -264,17 +264,19 @@ class Engine:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
                     gen = torch.Generator(device=self.device).manual_seed(seed)
                     if i == 0 and leader is None:
-                        slot, hit = self._take_with_prefix(req.prompt_ids, len(admitted), cached_routing)
+                        slot, hit, routing = self._take_with_prefix(req.prompt_ids)
                         hits.append(hit)
+                        reused_routing.append(routing)
                     else:
                         # A copy of the prompt's keys/values: sample 0's, or those of the request admitted
                         # with the same prompt.
-                        slot, _ = self.slots.take(None, self.version, shares=(leader or req).seqs[0].slot)
+                        source = (req if leader is None else admitted[leader]).seqs[0].slot
+                        slot, _ = self.slots.take(None, self.version, shares=source)
                     req.seqs.append(_Seq(req, i, slot, gen))
                 if leader is None:
-                    admitted.append(req)
                     if key is not None:
-                        leaders[key] = req
+                        leaders[key] = len(admitted)
+                    admitted.append(req)
                 else:
                     followers.append((req, leader))
         if not admitted:
@@ -298,40 +300,36 @@ class Engine:
         now = time.perf_counter()
         last = torch.tensor([n - s for n, s in zip(lengths, hits)]) - 1
         logits_BV = out.logits_BTV[torch.arange(len(admitted)), last.to(self.device)]
-        row_of: dict[int, torch.Tensor] = {}
-        for b, (req, start) in enumerate(zip(admitted, hits)):
-            cached = cached_routing[b] if b in cached_routing else self.slots.pop_routing(req.seqs[0].slot)
-            if out.routing_BTLK is not None:
+        if out.routing_BTLK is not None:
+            for b, (req, start) in enumerate(zip(admitted, hits)):
                 computed = out.routing_BTLK[b, : lengths[b] - start].cpu()
-                req.prompt_routing = torch.cat([cached[:start], computed]) if start else computed
-            row_of[id(req)] = logits_BV[b]
+                req.prompt_routing = torch.cat([reused_routing[b][:start], computed]) if start else computed
         rows: list[_Seq] = []
         row_logits = []
-        for req, leader in [(r, r) for r in admitted] + followers:
+        for req, b in [(r, b) for b, r in enumerate(admitted)] + followers:
+            leader = admitted[b]
             req.prefilled = now
             req.prompt_routing = leader.prompt_routing
+            held = np.asarray(req.prompt_ids)
             for seq in req.seqs:
                 if seq.slot != leader.seqs[0].slot:
-                    self.cache.copy_prefix(leader.seqs[0].slot, seq.slot, len(req.prompt_ids))
-                self.slots.hold(seq.slot, req.prompt_ids, req.prompt_routing)
+                    self.cache.copy_prefix(leader.seqs[0].slot, seq.slot, len(held))
+                self.slots.hold(seq.slot, held, req.prompt_routing)
             rows += req.seqs
-            row_logits += [row_of[id(leader)]] * len(req.seqs)
+            row_logits += [logits_BV[b]] * len(req.seqs)
         self._sample(rows, torch.stack(row_logits))
         self._running += rows
 
-    def _take_with_prefix(self, prompt: list[int], index: int, cached_routing: dict[int, torch.Tensor | None]
-                          ) -> tuple[int, int]:
-        """A slot for a request's prompt, and how much of it is already there: the longest prefix a free
-        slot's cache holds, or a copy of a longer one from a slot in use (its routing kept in
-        cached_routing[index])."""
+    def _take_with_prefix(self, prompt: list[int]) -> tuple[int, int, torch.Tensor | None]:
+        """A slot for a request's prompt, how many leading tokens of it are already there and their routing:
+        the longest prefix a free slot's cache holds, or a copy of a longer one from a slot in use."""
         source, live_hit = self.slots.live_prefix(prompt, self.version)
         slot, hit = self.slots.take(prompt, self.version, beat=live_hit)
+        routing = self.slots.pop_routing(slot)
         if live_hit and not hit:
             self.cache.copy_prefix(source, slot, live_hit)
-            self.slots.pop_routing(slot)
-            cached_routing[index] = self.slots.routing[source]
-            hit = live_hit
-        return slot, hit
+            routing, hit = self.slots.routing[source], live_hit
+        return slot, hit, routing
 
     def _decode(self) -> None:
         seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)

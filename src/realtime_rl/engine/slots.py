@@ -80,9 +80,7 @@ class SlotTable:
                     continue  # computed before a swap back to older weights
                 if self.kv_version[slot] < version - self.prefix_max_age:
                     continue  # computed by weights older than the engine will reuse
-                n = min(len(cached), len(p) - 1)
-                differ = np.flatnonzero(cached[:n] != p[:n])
-                hit = int(differ[0]) if len(differ) else n
+                hit = shared_prefix(cached, p)
                 if self.kv_version[slot] < version and hit <= self.prompt_len[slot]:
                     continue  # older keys/values only for a continuation of the sequence that holds them
                 if hit > best_hit:
@@ -112,9 +110,7 @@ class SlotTable:
                 continue  # some of its keys/values older weights computed
             if self.need_routing and self.routing[slot] is None:
                 continue
-            n = min(len(held), len(p) - 1)
-            differ = np.flatnonzero(held[:n] != p[:n])
-            hit = int(differ[0]) if len(differ) else n
+            hit = shared_prefix(held, p)
             if hit > best_hit:
                 best, best_hit = slot, hit
         return best, best_hit
@@ -137,6 +133,14 @@ class SlotTable:
         self.prompt_len[slot] = prompt_len
         if routing is not None:
             self.routing[slot] = routing
+
+
+def shared_prefix(cached: np.ndarray, prompt: np.ndarray) -> int:
+    """How many leading tokens of `prompt` `cached` holds; the prompt's last token is always recomputed
+    (for its logits)."""
+    n = min(len(cached), len(prompt) - 1)
+    differ = np.flatnonzero(cached[:n] != prompt[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def decode_slots(slots: Sequence[int], lengths: Sequence[int], gather: bool, device: torch.device
