@@ -118,6 +118,91 @@ def test_a_straggler_is_waited_for_and_trained_not_dropped(tmp_path, tiny_checkp
     assert {f"{straggler.held_id}-{i}" for i in range(2)} <= consumed  # and trained the straggler
 
 
+class _Held(LocalBackend):
+    """Real workers whose finished groups are handed over HOLD_S after they come back (still in flight
+    until then); with `swallow`, never: workers that have hung."""
+
+    HOLD_S = 1.0
+
+    def __init__(self, *args, swallow: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.swallow, self.held = swallow, []
+        self.submitted: list[int] = []
+
+    @property
+    def in_flight(self) -> int:
+        return super().in_flight + len(self.held)
+
+    def submit(self, job) -> None:
+        self.submitted.append(job.task_index)
+        super().submit(job)
+
+    def poll(self, timeout_s: float) -> list[list[Episode]]:
+        self.held += [(time.monotonic() + self.HOLD_S, g) for g in super().poll(timeout_s)]
+        now = time.monotonic()
+        out = [] if self.swallow else [g for due, g in self.held if due <= now]
+        self.held = [(due, g) for due, g in self.held if self.swallow or due > now]
+        return out
+
+
+def _use(monkeypatch, backends: list[_Held], **kwargs) -> None:
+    from realtime_rl.rollout import orchestrator
+
+    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _Held:
+        # Worker start-up gets its own generous limit: the tests below time the trainer's waits for groups.
+        rollout = config.rollout.model_copy(update={"timeout_s": 120.0})
+        backends.append(_Held(rollout, checkpoint_dir, config.rl.group_size, config.seed,
+                              weights_dir=Path(config.run_dir) / "weights", **kwargs))
+        return backends[-1]
+
+    monkeypatch.setattr(orchestrator, "make_backend", make_backend)
+
+
+def _with_timeout(config: TrainConfig, timeout_s: float) -> TrainConfig:
+    return config.model_copy(update={"rollout": config.rollout.model_copy(update={"timeout_s": timeout_s})})
+
+
+def test_a_trainer_step_longer_than_the_rollout_timeout_is_not_a_hung_worker(tmp_path, tiny_checkpoint,
+                                                                            monkeypatch):
+    # Synchronous, so after each step the trainer waits for the next batch; each step outlasts the timeout.
+    from realtime_rl.train import RLTrainer
+
+    step = RLTrainer.step
+
+    def slow_step(self, episodes):
+        time.sleep(4.0)
+        return step(self, episodes)
+
+    monkeypatch.setattr(RLTrainer, "step", slow_step)
+    _use(monkeypatch, [])
+    config = _with_timeout(_config(tmp_path / "run", tiny_checkpoint, steps=2, max_staleness=0), 3.5)
+    summary = train(config, show_progress=False)  # the wait is timed from the step's end, not the last group
+    _check_run(tmp_path / "run", summary, steps=2, max_staleness=0)
+
+
+def test_workers_that_return_nothing_end_the_run_with_a_timeout(tmp_path, tiny_checkpoint, monkeypatch):
+    backends: list[_Held] = []
+    _use(monkeypatch, backends, swallow=True)
+    config = _with_timeout(_config(tmp_path / "run", tiny_checkpoint, steps=2), 2.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="in 2 s"):
+        train(config, show_progress=False)
+    assert time.monotonic() - t0 < 60 and backends[0].held  # groups came back and were never handed over
+
+
+def test_a_resumed_run_hands_out_no_task_twice(tmp_path, tiny_checkpoint, monkeypatch):
+    # Each run ends with groups in flight that are lost; the resumed run must not hand out their tasks again
+    # while logged groups of later tasks are still to be trained (nor repeat those).
+    backends: list[_Held] = []
+    _use(monkeypatch, backends)
+    train(_config(tmp_path / "run", tiny_checkpoint, steps=2, max_staleness=2), show_progress=False)
+    train(_config(tmp_path / "run", tiny_checkpoint, steps=4, max_staleness=2), show_progress=False)
+    first, second = backends[0].submitted, backends[1].submitted
+    assert len(first) == len(set(first)) and len(second) == len(set(second))
+    assert min(second) > max(first), (first, second)
+    assert TrajectoryLog(tmp_path / "run" / "trajectories").tasks_handed_out() == len(first) + len(second)
+
+
 def test_synchronous_mode_trains_only_on_the_current_version(tmp_path, tiny_checkpoint):
     summary = train(_config(tmp_path / "run", tiny_checkpoint, steps=2, max_staleness=0), show_progress=False)
     _check_run(tmp_path / "run", summary, steps=2, max_staleness=0)
@@ -158,6 +243,26 @@ def test_ray_backend(tmp_path, tiny_checkpoint):
         ray.shutdown()
     _check_run(tmp_path / "run", summary, steps=2, max_staleness=1)
 
+
+
+def test_closing_ray_workers_stops_every_one_when_one_has_died(tmp_path, tiny_checkpoint):
+    ray = pytest.importorskip("ray")
+    from realtime_rl.model import load_checkpoint
+    from realtime_rl.rollout.ray_actors import RayBackend
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rollout = _config(tmp_path / "run", tiny_checkpoint, backend="ray").rollout
+        backend = RayBackend(rollout.model_copy(update={"workers": 2}), tiny_checkpoint, group_size=2)
+        model = load_checkpoint(tiny_checkpoint).model
+        backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
+        dead, alive = backend._actors
+        ray.kill(dead)
+        backend.close()  # the dead worker's close fails; the live one is stopped all the same
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(alive.ready.remote(), timeout=30)
+    finally:
+        ray.shutdown()
 
 def _write_toml(path: Path, run_dir: Path, base: Path, steps: int) -> None:
     path.write_text(f'''run_dir = "{run_dir}"

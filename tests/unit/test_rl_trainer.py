@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -261,18 +262,87 @@ def test_episode_bytes_and_log_roundtrip(tmp_path):
     for g in groups:
         log.append(g)
     assert len(log.load(consumed=set())) == len(groups)
-    pending = log.load(consumed={groups[0][0].episode_id})
+    pending = log.load(consumed={groups[0][0].episode_id})  # consumed, not yet removed: removed now
     assert [g[0].group_id for g in pending] == [g[0].group_id for g in groups[1:]]
+    assert len(log) == len(groups) - 1
     log.remove(groups[:1])
     assert len(log) == len(groups) - 1
     log.drop(groups[1:2], version=5)  # dropped for staleness: out of the log, on the record
     assert len(log) == len(groups) - 2 and log.dropped_ids() == {e.episode_id for e in groups[1]}
+    with open(tmp_path / "log" / "dropped.jsonl", "a") as f:
+        f.write('{"group_id": "g9", "episode_ids": ["g9-')  # a trainer killed mid-append
+    assert log.dropped_ids() == {e.episode_id for e in groups[1]}
+
+
+def _group(gid: str, version: int) -> list[Episode]:
+    """A one-episode group whose oldest generated token is of `version`."""
+    seg = Segment(np.arange(4, dtype=np.int32), np.array([0, 0, 1, 1], bool), np.zeros(4, np.float32),
+                  np.array([-1, -1, version, version + 1], np.int32))
+    return [Episode(f"{gid}-0", "t", [seg], "submit", 1, 1, 0, 0, group_id=gid)]
 
 
 def test_staleness_buffer_holds_the_step_that_would_strand_a_group_in_flight():
-    buf = StalenessBuffer(max_staleness=2, groups_per_step=4)
-    assert not buf.stranded(version=5, in_flight=[4, 5])  # at version 6 each is at most 2 behind
+    buf = StalenessBuffer(max_staleness=2, groups_per_step=2)
+    buf.add(_group("a", 5))
+    assert not buf.stranded(version=5, in_flight=[3])  # one group ready: no batch, nothing to hold back
+    buf.add(_group("b", 5))
+    assert not buf.stranded(version=5, in_flight=[4, 5])  # the next steps have room for both
     assert not buf.stranded(version=5, in_flight=[])
-    assert buf.stranded(version=5, in_flight=[5, 3])  # at version 6 the group admitted at 3 is 3 behind
-    sync = StalenessBuffer(max_staleness=0, groups_per_step=4)
-    assert sync.stranded(version=0, in_flight=[0])  # synchronous: every group admitted is in the next batch
+    assert buf.stranded(version=5, in_flight=[5, 3])  # admitted at 3, due at 5: this step must train it
+    sync = StalenessBuffer(max_staleness=0, groups_per_step=1)
+    sync.add(_group("a", 0))
+    assert not sync.stranded(version=0, in_flight=[0])  # both due now, one step: no order saves both
+
+
+def test_staleness_buffer_waits_for_the_group_due_first_not_only_the_one_due_now():
+    # max_staleness 2, one group a step. At version 1, g3 (sampled at 1, due at 3) is ready while g0 and g2,
+    # admitted at 0, are in flight, both due at 2: stepping with g3 leaves two groups for the one step left
+    # before their deadline. Earliest deadline first, the trainer waits and then trains all three in time.
+    buf = StalenessBuffer(max_staleness=2, groups_per_step=1, started=4)
+    buf.add(_group("g3", 1))
+    assert buf.stranded(version=1, in_flight=[0, 0])
+    buf.add(_group("g0", 0))
+    assert not buf.stranded(version=1, in_flight=[0])
+    assert [g[0].group_id for g in buf.take(version=1)[0]] == ["g0"]
+    assert buf.stranded(version=2, in_flight=[0])  # g2 is due at 2: g3 must not take its step
+    buf.add(_group("g2", 0))
+    assert [g[0].group_id for g in buf.take(version=2)[0]] == ["g2"]
+    batch, dropped = buf.take(version=3)
+    assert [g[0].group_id for g in batch] == ["g3"] and not dropped
+
+
+@pytest.mark.parametrize("max_staleness,groups_per_step", [(0, 2), (1, 1), (1, 4), (2, 1), (2, 3), (4, 2)])
+def test_admission_and_earliest_deadline_first_never_drop_a_group(max_staleness, groups_per_step):
+    """A pipeline simulated with random episode lengths and step times: groups admitted as `may_start`
+    allows, each sampled at its admission version, the trainer stepping only when `stranded` says it
+    may. Admission never lets more groups be due by a version than the steps before it can train, so
+    earliest deadline first with waiting drops none."""
+    rng = random.Random(max_staleness * 10 + groups_per_step)
+    for _ in range(20):
+        buf = StalenessBuffer(max_staleness, groups_per_step)
+        version, now, flying, trained = 0, 0.0, {}, 0
+        while version < 30:
+            while buf.may_start(version):
+                flying[f"g{buf.started}"] = (version, now + rng.expovariate(1.0) * rng.choice([1, 1, 5]))
+                buf.started += 1
+            if not buf.stranded(version, [v for v, _ in flying.values()]):
+                batch, dropped = buf.take(version)
+                assert not dropped
+                if batch is not None:
+                    version, now, trained = version + 1, now + rng.uniform(0.1, 2.0), trained + len(batch)
+                    for gid in [g for g, (_, end) in flying.items() if end <= now]:
+                        buf.add(_group(gid, flying.pop(gid)[0]))
+                    continue
+            gid = min(flying, key=lambda g: flying[g][1])  # wait for the next group to finish
+            now = max(now, flying[gid][1])
+            buf.add(_group(gid, flying.pop(gid)[0]))
+        assert trained == 30 * groups_per_step and buf.dropped == 0
+
+
+def test_the_log_records_tasks_handed_out_durably(tmp_path):
+    log = TrajectoryLog(tmp_path / "log")
+    assert log.tasks_handed_out() is None  # a log from before the counter: the orchestrator falls back
+    log.hand_out(7)
+    log.hand_out(8)
+    assert TrajectoryLog(tmp_path / "log").tasks_handed_out() == 8
+    assert len(log) == 0 and not list((tmp_path / "log").glob(".*"))  # no group counted, no temp file left

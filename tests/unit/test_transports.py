@@ -3,8 +3,10 @@ downloads resume after a broken connection, and every failure or stall ends in a
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -68,6 +70,24 @@ def test_filesystem_readers_never_see_a_half_published_version(tmp_path):
     assert all(kinds == ("delta", "snapshot") and n == len(BLOBS["snapshot"])
                for v, kinds, n in seen if v > 1)
 
+
+
+def test_a_version_pruned_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
+    from realtime_rl.deploy.transports import filesystem
+
+    transport = FilesystemTransport(tmp_path)
+    transport.publish(1, BLOBS)
+    transport.publish(2, BLOBS)
+    listdir, pruned = os.listdir, []
+
+    def pruning_listdir(path):  # the publisher prunes version 1 between the scan and its listing
+        if Path(path).name.isdigit() and int(Path(path).name) == 1 and not pruned:
+            pruned.append(1)
+            transport.remove(1)
+        return listdir(path)
+
+    monkeypatch.setattr(filesystem.os, "listdir", pruning_listdir)
+    assert transport.versions() == {2: ["delta", "snapshot"]} and pruned == [1]
 
 def test_a_stalled_call_times_out_with_a_clear_error():
     with pytest.raises(TransportError, match="did not finish within 0.2 s"):

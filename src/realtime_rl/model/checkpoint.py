@@ -215,6 +215,15 @@ def load_checkpoint(
     return Checkpoint(model, tokenizer, model.config, path, generation_config)
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:

@@ -11,12 +11,16 @@ Admission control, not waste: a group may start only while fewer than
 further ahead of the trainer than the bound allows (max_staleness 0 is the synchronous on-policy
 mode: the next batch starts only once the trainer has published the weights it needs). At
 consumption a group's staleness is the trainer's version minus the version of its oldest generated
-token. Groups finish out of order (one task's episodes run longer than the next ones'), so a slow group
-could outlive the window while later groups fill batches; the trainer does not step while a group in
-flight would be pushed past the bound by that step (`stranded`): it waits for the straggler and trains
-it with the next batch. A group past the bound is still possible (a worker that had not yet received
-the weights its group was admitted at, or groups logged before a resume); it is dropped, counted, and
-its slot given back to admission.
+token, so each group has a deadline: the last version it may be trained at (its oldest token's version,
+or its admission version while it is in flight, plus max_staleness). Groups finish out of order (one
+task's episodes run longer than the next ones'), so a slow group could outlive the window while later
+groups fill batches. The trainer schedules earliest deadline first (`take` picks the oldest groups) and
+does not step while that would leave more groups due by some version than the steps before it can train
+and waiting for a group in flight would give a batch with an earlier deadline (`stranded`): it waits for
+the straggler and trains it in time instead of dropping it. A group past the bound is still possible
+(a worker that had not yet received the weights its group was admitted at, groups logged before a
+resume, or more groups due at once than steps can take); it is dropped, counted, and its slot given back
+to admission.
 
 TrajectoryLog makes finished groups durable before the trainer sees them (temp file, fsync, rename),
 so a killed trainer resumes with every group it had received and not yet consumed. A group dropped
@@ -34,12 +38,19 @@ from pathlib import Path
 
 import numpy as np
 
+from realtime_rl.model.checkpoint import fsync_path
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
 
-def group_staleness(group: list[Episode], version: int) -> int:
+def oldest_version(group: list[Episode]) -> int | None:
+    """The policy version of the group's oldest generated token (None when it generated nothing)."""
     oldest = [int(s.versions[s.loss_mask].min()) for e in group for s in e.segments if s.loss_mask.any()]
-    return version - min(oldest) if oldest else 0
+    return min(oldest) if oldest else None
+
+
+def group_staleness(group: list[Episode], version: int) -> int:
+    oldest = oldest_version(group)
+    return 0 if oldest is None else version - oldest
 
 
 class StalenessBuffer:
@@ -54,23 +65,42 @@ class StalenessBuffer:
     def may_start(self, version: int) -> bool:
         return self.started < (version + self.max_staleness + 1) * self.groups_per_step
 
+    def deadline(self, group: list[Episode], version: int) -> int:
+        """The last version `group` may be trained at (one that generated nothing never goes stale)."""
+        oldest = oldest_version(group)
+        return version + self.max_staleness if oldest is None else oldest + self.max_staleness
+
     def stranded(self, version: int, in_flight: Iterable[int]) -> bool:
-        """Would stepping from `version` push a group in flight (admitted at these versions) past the bound?
-        Its tokens are no older than its admission (a worker applies the weights published before a job),
-        so it is consumed in time if the trainer reaches version + 1 only once it is no more than
-        max_staleness versions after the group's admission."""
-        return any(version + 1 - started > self.max_staleness for started in in_flight)
+        """Should the trainer wait instead of stepping from `version` with the batch `take` would give?
+
+        Groups in flight were admitted at these versions; their tokens are no older (a worker applies the
+        weights published before a job), so admission + max_staleness bounds their deadline. Stepping now
+        trains the groups_per_step ready groups with the earliest deadlines; the steps from version + 1 to
+        D then have room for (D - version) * groups_per_step more, and every group left (ready or in flight)
+        due by D must fit in them. When some D does not fit, waiting pays only if a group in flight is due
+        before the batch's latest deadline (it would take that place): then wait. Otherwise no order
+        trains them all and the trainer steps (the late group is dropped when it is past the bound)."""
+        gps = self.groups_per_step
+        ready = sorted(d for d in (self.deadline(g, version) for g in self.ready) if d >= version)
+        if len(ready) < gps:
+            return False  # no batch to step with: the trainer waits anyway
+        flying = [started + self.max_staleness for started in in_flight]
+        if not any(d < ready[gps - 1] for d in flying):
+            return False
+        # Earliest deadline first, the i-th group left is trained at version + ceil((i + 1) / gps).
+        return any(d - version < (i + gps) // gps for i, d in enumerate(sorted(ready[gps:] + flying)))
 
     def add(self, group: list[Episode]) -> None:
         self.ready.append(group)
 
     def take(self, version: int) -> tuple[list[list[Episode]] | None, list[list[Episode]]]:
-        """(groups_per_step groups, oldest first, or None if not enough are ready; groups dropped now)."""
+        """(groups_per_step groups, earliest deadline first, or None if not enough are ready; groups dropped
+        now)."""
         fresh = [g for g in self.ready if group_staleness(g, version) <= self.max_staleness]
         dropped = [g for g in self.ready if group_staleness(g, version) > self.max_staleness]
         self.dropped += len(dropped)
         self.started -= len(dropped)
-        fresh.sort(key=lambda g: -group_staleness(g, version))
+        fresh.sort(key=lambda g: self.deadline(g, version))
         self.ready = fresh
         if len(fresh) < self.groups_per_step:
             return None, dropped
@@ -78,36 +108,52 @@ class StalenessBuffer:
         return batch, dropped
 
 
+TASKS_FILE = "tasks_handed_out"
+
+
 class TrajectoryLog:
-    """run_dir/trajectories/<group_id>.npz: one durable file per finished group."""
+    """run_dir/trajectories/<group_id>.npz: one durable file per finished group; `tasks_handed_out`: the
+    admission counter of tasks and sampling seeds."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
     def append(self, group: list[Episode]) -> None:
-        group_id = group[0].group_id
         buf = io.BytesIO()
         np.savez(buf, **{f"e{i}": np.frombuffer(episode_to_bytes(e), dtype=np.uint8) for i, e in enumerate(group)})
-        tmp = self.root / f".{group_id}.tmp"
+        self._write(f"{group[0].group_id}.npz", buf.getvalue())
+
+    def tasks_handed_out(self) -> int | None:
+        """How many tasks admission has handed out, as `hand_out` recorded (None: a log from before it)."""
+        path = self.root / TASKS_FILE
+        return int(path.read_text()) if path.is_file() else None
+
+    def hand_out(self, count: int) -> None:
+        """Record durably that `count` tasks have been handed out, before the last of them is submitted: a
+        resumed trainer goes on from there, so no task (and no sampling seed) is handed out twice."""
+        self._write(TASKS_FILE, str(count).encode())
+
+    def _write(self, name: str, data: bytes) -> None:
+        """Replace root/name with data durably: temp file, fsync, rename, fsync of the directory."""
+        tmp = self.root / f".{name}.tmp"
         with open(tmp, "wb") as f:
-            f.write(buf.getvalue())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.root / f"{group_id}.npz")
-        dir_fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        os.replace(tmp, self.root / name)
+        fsync_path(self.root)
 
     def load(self, consumed: set[str]) -> list[list[Episode]]:
-        """Every logged group none of whose episodes was consumed, oldest file first."""
+        """Every logged group none of whose episodes was consumed, oldest file first. The files of consumed
+        ones (a trainer stopped between its checkpoint and `remove`) are removed now."""
         groups = []
         for path in sorted(self.root.glob("*.npz"), key=lambda p: p.stat().st_mtime):
             with np.load(path, allow_pickle=False) as npz:
                 group = [episode_from_bytes(npz[k].tobytes()) for k in sorted(npz.files, key=lambda k: int(k[1:]))]
-            if not any(e.episode_id in consumed for e in group):
+            if any(e.episode_id in consumed for e in group):
+                path.unlink(missing_ok=True)
+            else:
                 groups.append(group)
         return groups
 
@@ -130,11 +176,14 @@ class TrajectoryLog:
         self.remove(groups)
 
     def dropped_ids(self) -> set[str]:
-        """Episode ids of every group dropped for staleness so far."""
+        """Episode ids of every group dropped for staleness so far. Every record ends with a newline: a
+        trainer killed mid-append leaves an unterminated last line, which is not a record (its group is still
+        in the log, and is dropped again on the record)."""
         path = self.root / "dropped.jsonl"
         if not path.is_file():
             return set()
-        return {i for line in path.read_text().splitlines() if line for i in json.loads(line)["episode_ids"]}
+        records = path.read_text().split("\n")[:-1]
+        return {i for line in records if line for i in json.loads(line)["episode_ids"]}
 
     def __len__(self) -> int:
         return sum(1 for _ in self.root.glob("*.npz"))

@@ -3,13 +3,14 @@
     summary = train(TrainConfig(max_staleness=2))     # resumes from config.run_dir when it can
 
 Each pass: admit new groups while the staleness bound allows (StalenessBuffer.may_start) and the
-workers have room; take a batch of the oldest fresh groups when enough are ready, otherwise wait for
-workers (the only place the trainer is idle, and it is timed). It also waits while a group still in
-flight would be pushed past the staleness bound by the next step: the straggler is trained with the
-next batch instead of dropped. Then train one step; checkpoint; publish the new weights (after the
-checkpoint is durable, so no worker ever samples from a version a resume could lose); forget the
-consumed groups' log files. Finished groups are written to the durable trajectory log before the
-trainer may consume them.
+workers have room; take a batch of the groups due soonest when enough are ready, otherwise wait for
+workers (the only place the trainer is idle, and it is timed; `rollout.timeout_s` with nothing
+finishing ends the run). It also waits while stepping would leave a group in flight that no later
+step can train before it passes the staleness bound (earliest deadline first,
+`StalenessBuffer.stranded`): the straggler is trained in time instead of dropped. Then train one step;
+checkpoint; publish the new weights (after the checkpoint is durable, so no worker ever samples from a
+version a resume could lose); forget the consumed groups' log files. Finished groups are written to
+the durable trajectory log before the trainer may consume them.
 
 With max_staleness 0 this is synchronous on-policy RL: the next batch is admitted only after the
 step that needs it has published. With max_staleness > 0 workers keep sampling (from the newest
@@ -70,6 +71,8 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     log = TrajectoryLog(run_dir / "trajectories")
     pending = log.load(trainer.consumed_ids())
     buffer = StalenessBuffer(config.max_staleness, gps, started=trainer.version * gps + len(pending))
+    handed_out = log.tasks_handed_out()
+    next_task = buffer.started if handed_out is None else handed_out  # only grows: drops give back no task
     for group in pending:
         buffer.add(group)
     sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([] if show_progress else [ConsoleSink()]))
@@ -90,16 +93,18 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     try:
         backend.start(trainer.weights(), trainer.version)
         t_start = time.perf_counter()  # worker start-up is not training time
-        last_result = time.perf_counter()
+        progress_at = time.perf_counter()  # the last step or finished group: a wait's timeout runs from it
         with Progress(*columns, disable=not show_progress) as progress:
             bar = progress.add_task("train", total=config.steps, completed=trainer.version, info="")
             while trainer.version < config.steps:
                 if config.max_minutes and (time.perf_counter() - t_start) / 60 >= config.max_minutes:
                     break
                 while backend.in_flight < backend.capacity and buffer.may_start(trainer.version):
-                    job = GroupJob(new_group_id(), config.rollout.first_task + buffer.started,
-                                   1 + buffer.started % config.rollout.max_difficulty, size,
-                                   config.seed * 1_000_003 + buffer.started, trainer.version)
+                    job = GroupJob(new_group_id(), config.rollout.first_task + next_task,
+                                   1 + next_task % config.rollout.max_difficulty, size,
+                                   config.seed * 1_000_003 + next_task, trainer.version)
+                    next_task += 1
+                    log.hand_out(next_task)
                     backend.submit(job)
                     admitted[job.group_id] = job.started_version
                     buffer.started += 1
@@ -112,11 +117,11 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     finished = backend.poll(POLL_S)
                     idle_s += time.perf_counter() - t0
-                    if stranding and len(buffer.ready) >= gps:  # a batch was ready: the straggler's wait
+                    if stranding:  # a batch was ready: the straggler's wait
                         straggler_s += time.perf_counter() - t0
                     if finished:
-                        last_result = time.perf_counter()
-                    elif backend.in_flight and time.perf_counter() - last_result > config.rollout.timeout_s:
+                        progress_at = time.perf_counter()
+                    elif backend.in_flight and time.perf_counter() - progress_at > config.rollout.timeout_s:
                         raise TimeoutError(f"no rollout finished in {config.rollout.timeout_s:.0f} s "
                                            f"({backend.in_flight} groups in flight)")
                     receive(finished)
@@ -128,6 +133,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                 backend.publish(trainer.weights(), trainer.version)
                 log.remove(batch)
                 receive(backend.poll(0))
+                progress_at = time.perf_counter()
                 elapsed = time.perf_counter() - t_start
                 metrics |= {
                     "train/step_s": time.perf_counter() - t_step,
@@ -146,8 +152,10 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                 progress.update(bar, completed=trainer.version,
                                 info=f"reward {metrics['train/reward_mean']:.2f} idle {metrics['train/idle_fraction']:.0%}")
     finally:
-        backend.close()
-        sink.close()
+        try:
+            backend.close()
+        finally:
+            sink.close()
     elapsed = time.perf_counter() - t_start
     rewards = [m["train/reward_mean"] for m in history]
     return {

@@ -10,6 +10,7 @@ if `ray.is_initialized()`, otherwise starts a local one with `ray.init(num_cpus=
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -22,6 +23,8 @@ from realtime_rl.deploy import WeightPublisher, WeightSubscriber
 from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
+
+log = logging.getLogger(__name__)
 
 
 class _Actor:
@@ -98,9 +101,13 @@ class RayBackend(RolloutBackend):
         self.ray.get([a.sync_weights.remote() for a in self._actors], timeout=self.config.timeout_s)
 
     def close(self) -> None:
+        """Ask every actor to close, then kill it: one that died or hangs (often why the run is closing) does
+        not keep the others alive or hide the error that ended the run."""
         for actor in self._actors:
             try:
                 self.ray.get(actor.close.remote(), timeout=30)
+            except Exception as exc:  # reported; the actor is killed below all the same
+                log.warning("rollout actor did not close cleanly: %s", exc)
             finally:
                 self.ray.kill(actor)
         self._actors = []

@@ -14,8 +14,10 @@ Three policies meet in one token t of a generated segment (all logprobs of the s
 
     loss = -sum_t is_t * min(ratio_t * A_t, clip(ratio_t) * A_t) / num_tokens + kl_coef * k3(new, ref)
 
-Aggregation is token-level (every generated token of the step weighs the same, DAPO), the divisor
-being the step's generated-token count, so micro-batching does not change the gradient. Episode-level
+Aggregation is token-level (every trained token of the step weighs the same, DAPO), the divisor being
+the generated-token count of the step's episodes with a non-zero advantage (rl.py runs only those: the
+others carry no policy gradient), so micro-batching does not change the gradient. The KL term covers the
+same tokens: a group whose rewards are all equal adds nothing to the step, its KL included. Episode-level
 aggregation (verl's "seq-mean-token-mean") rescales each episode's advantage by the step's mean episode
 length over its own (`length_normalized`), so every episode weighs the same whatever its length.
 Everything here is tensor math on [N] token vectors or [G] group vectors; the trainer (rl.py) does

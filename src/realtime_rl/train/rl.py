@@ -38,6 +38,7 @@ import torch
 
 from realtime_rl.config import RLConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, routing_dtype, save_checkpoint
+from realtime_rl.model.checkpoint import fsync_path
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, length_normalized, policy_loss
 from realtime_rl.train.schedule import warmup_cosine
@@ -71,6 +72,7 @@ def _shared_inputs(a: Segment, b: Segment) -> int:
     n = min(_first_target(a), _first_target(b)) - 1
     differ = np.flatnonzero(a.token_ids[:n] != b.token_ids[:n])
     return int(differ[0]) if len(differ) else n
+
 
 
 def _micro_batches(items: list[tuple[Segment, float]], max_tokens: int, by_version: bool = False
@@ -173,11 +175,12 @@ class RLTrainer:
         save_checkpoint(staging, self.model, self.tokenizer)
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "consumed": {str(v): ids for v, ids in self.consumed.items()}}, staging / STATE_FILE)
-        with open(staging / STATE_FILE, "rb") as f:
-            os.fsync(f.fileno())
+        for path in [*staging.iterdir(), staging]:  # on disk before the name says so: the trajectory log's
+            fsync_path(path)                         # files of the consumed groups go once this returns
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
+        fsync_path(final.parent)
         for old in sorted(final.parent.glob("v-*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final

@@ -108,7 +108,10 @@ class FilesystemTransport(WeightTransport):
             out = {}
             for entry in os.scandir(self.root):
                 if entry.name.isdigit() and entry.is_dir():
-                    names = set(os.listdir(entry.path))
+                    try:
+                        names = set(os.listdir(entry.path))
+                    except FileNotFoundError:  # pruned by the publisher since the scan: no longer offered
+                        continue
                     out[int(entry.name)] = [k for k in KINDS if f"{k}{SUFFIX}" in names]
             return out
 
