@@ -204,7 +204,8 @@ def test_bad_requests_are_refused(moe, prompt, params, message):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"), (dict(top_logprobs=21), "top_logprobs"),
-    (dict(stop=[""]), "stop strings"),
+    (dict(stop=[""]), "stop strings"), (dict(seed=2**64), "seed must"),
+    (dict(seed=-(2**63) - 1), "seed must"),
 ])
 def test_sampling_params_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -253,6 +254,75 @@ def test_async_engine_backpressure_timeouts_and_threads(moe):
         # The timed-out request was aborted: its slot is free again and the engine still serves.
         assert aengine.generate_sync(prompts(3)[0], GREEDY, 60).samples[0].finish_reason == "length"
 
+
+
+def test_a_callback_that_raises_aborts_only_its_request(moe):
+    engine = Engine(moe, max_batch=4)
+    slow = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def broken(*_):
+        raise RuntimeError("the client went away")
+
+    bad = engine.add_request(prompts(3)[0], slow, on_update=broken)
+    good = engine.add_request(prompts(4)[0], slow)
+    outs = {}
+    while engine.has_work():
+        outs.update({o.request_id: o.samples[0] for o in engine.step()})
+    assert outs[bad].finish_reason == "abort" and len(outs[bad].token_ids) == 1
+    assert outs[good].finish_reason == "length" and len(outs[good].token_ids) == 8
+
+
+def test_an_abort_while_the_request_is_being_prefilled_is_not_lost(moe):
+    engine = Engine(moe, max_batch=4)
+    rid = "r"
+
+    def abort_on_first_token(_rid, _index, token, output):  # runs between the prefill and joining the batch
+        if token is not None:
+            engine.abort(rid)
+
+    engine.add_request(prompts(5)[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), rid,
+                       abort_on_first_token)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert outs[0].samples[0].finish_reason == "abort" and len(outs[0].samples[0].token_ids) == 1
+
+
+def test_a_callback_may_queue_a_request_when_told_of_an_abort(moe):
+    engine = Engine(moe, max_batch=4)
+    queued = []
+
+    def resubmit(_rid, _index, _token, output):
+        if output is not None and not output.samples:  # aborted before it started
+            queued.append(engine.add_request(prompts(3)[0], GREEDY))
+
+    rid = engine.add_request(prompts(4)[0], GREEDY, on_update=resubmit)
+    engine.abort(rid)  # still waiting: told at the next step's admission
+    done: list = []
+    worker = threading.Thread(target=lambda: [done.extend(engine.step()) for _ in range(12)], daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the engine deadlocked on a callback that called back into it"
+    assert [o.request_id for o in done] == [rid, *queued] and len(queued) == 1
+
+
+def test_other_weights_under_the_same_version_reuse_nothing(moe):
+    engine = Engine(moe, max_batch=2, max_seq_len=64)
+    p = prompts(12)[0]
+    out = engine.generate([p], GREEDY)[0].samples[0]
+    engine.update_weights({k: v + 0.01 for k, v in moe.named_parameters()}, version=0)
+    engine.step()
+    engine.generate([p + out.token_ids], GREEDY)
+    assert engine.prefix_hit_tokens == 0  # version 0 again, but not the weights that computed the cache
+
+
+def test_generate_checks_every_prompt_before_queueing_any(moe):
+    engine = Engine(moe, max_batch=4, max_seq_len=64)
+    with pytest.raises(ValueError, match="context holds"):
+        engine.generate([[1, 2], list(range(64))], GREEDY)
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        engine.generate([[1, 2], [3]], [GREEDY])
+    assert not engine.has_work()
 
 def test_a_vanishing_top_p_keeps_the_top_token(moe):
     """5e-324 rounds to 0 in fp32; the engine must still sample (the top token) rather than die."""

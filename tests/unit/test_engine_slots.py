@@ -18,8 +18,8 @@ def test_takes_the_longest_cached_prefix_else_the_least_recently_freed():
     slots = table()
     a, _ = slots.take([1, 2, 3], 0)
     b, _ = slots.take([7, 8], 0)
-    slots.release(b, [7, 8, 9], 2, None)
-    slots.release(a, [1, 2, 3, 4], 3, None)
+    slots.release(b, [7, 8, 9], None)
+    slots.release(a, [1, 2, 3, 4], None)
     assert slots.take([1, 2, 3, 4, 5], 0) == (a, 4)
     assert slots.take([1, 2, 3, 4], 0) == (2, 0)  # a is taken; the never-used slot is the least recently freed
     assert slots.take([6], 0) == (b, 0)
@@ -27,25 +27,29 @@ def test_takes_the_longest_cached_prefix_else_the_least_recently_freed():
 
 def test_at_least_one_prompt_token_is_recomputed():
     slots = table(1)
-    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], None)
     assert slots.take([1, 2, 3], 0) == (0, 2)
 
 
 def test_older_keys_values_only_for_a_continuation_within_the_age_bound():
     slots = table(1, max_age=1)
-    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 9, 9], 3, None)  # version 0's keys/values
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 9, 9], None)  # version 0's keys/values
     assert slots.take([1, 2, 3, 9, 9, 5], 1) == (0, 5)  # runs past the old prompt into what was generated
-    slots.release(0, [1, 2, 3, 9, 9, 5, 7], 6, None)
+    slots.release(0, [1, 2, 3, 9, 9, 5, 7], None)
     assert slots.kv_version[0] == 0  # the oldest keys/values are still version 0's
     assert slots.take([1, 2, 3, 9, 9, 5, 7, 8], 2) == (0, 0)  # two versions old: past the bound
     assert slots.kv_version[0] == 2
-    slots.release(0, [1, 2, 3, 9, 9], 3, None)
+    slots.release(0, [1, 2, 3, 9, 9], None)
     assert slots.take([1, 2, 3, 4], 3) == (0, 0)  # shares only the old prompt: prefilled afresh
+    slots.release(0, [1, 2, 3, 9, 9], None)
+    # Past the old prompt into its first generated token, then apart: another episode's turn (a sibling of
+    # the same task that began with the same token), not this sequence's continuation: prefilled afresh.
+    assert slots.take([1, 2, 3, 9, 4, 4], 4) == (0, 0)
 
 
 def test_a_rollback_makes_nothing_cached_reusable():
     slots = table(1, max_age=2)
-    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], None)
     slots.rollback()
     assert slots.take([1, 2, 3, 4, 5], 0) == (0, 0)
     assert slots.kv_epoch[0] == slots.epoch == 1
@@ -69,32 +73,32 @@ def test_a_slot_in_use_lends_its_prompt_only_when_the_current_weights_computed_a
     assert slots.live_prefix([9, 2], 0) == (None, 0)
     # A free slot's cache is taken only when it holds more than the slot in use would lend.
     b, _ = slots.take([7], 0)
-    slots.release(b, [1, 2, 9], 2, None)
+    slots.release(b, [1, 2, 9], None)
     assert slots.take([1, 2, 3, 5], 0, beat=3) == (2, 0)  # the least recently freed one, nothing reused
-    slots.release(2, [], 0, None)
+    slots.release(2, [], None)
     assert slots.take([1, 2, 9, 9], 0, beat=1) == (b, 3)
     # Weights moved on (even within prefix_max_age) or rolled back: not lent.
     assert slots.live_prefix([1, 2, 3, 5], 1) == (None, 0)
     slots.rollback()
     assert slots.live_prefix([1, 2, 3, 5], 0) == (None, 0)
     # Freed, its cache is a free slot's again.
-    slots.release(a, [1, 2, 3, 4], 4, None)
+    slots.release(a, [1, 2, 3, 4], None)
     assert slots.live_prefix([1, 2, 3, 5], 0) == (None, 0)
 
 
 def test_routing_is_needed_for_reuse_when_the_engine_records_it():
     slots = SlotTable(1, version=0, prefix_caching=True, prefix_max_age=0, need_routing=True)
-    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], None)
     assert slots.take([1, 2, 3, 4, 5], 0) == (0, 0)
     routing = torch.zeros(4, 1, 2, dtype=torch.long)
-    slots.release(0, [1, 2, 3, 4], 3, routing)
+    slots.release(0, [1, 2, 3, 4], routing)
     assert slots.take([1, 2, 3, 4, 5], 0) == (0, 4)
     assert slots.pop_routing(0) is routing and slots.pop_routing(0) is None
 
 
 def test_no_prefix_caching_never_reuses():
     slots = SlotTable(1, version=0, prefix_caching=False, prefix_max_age=0, need_routing=False)
-    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], 3, None)
+    slots.release(slots.take([1, 2, 3], 0)[0], [1, 2, 3, 4], None)
     assert slots.take([1, 2, 3, 4, 5], 0) == (0, 0)
 
 

@@ -121,7 +121,8 @@ class AsyncEngine:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
         def on_update(_rid: str, index: int, token: int | None, output: RequestOutput | None) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(index, token, output))
+            if not loop.is_closed():  # a caller gone with its loop: nobody to tell (the engine aborts it)
+                loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(index, token, output))
 
         rid = self._submit(prompt_ids, params, on_update)
         deadline = loop.time() + timeout_s

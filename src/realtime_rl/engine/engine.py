@@ -18,7 +18,7 @@ of a running sequence that the current weights computed copies those keys/values
 in one step with the same prompt (a GRPO group's episodes) share one prefill as a request's n samples do.
 The cache is reused only under the weights that computed it (`prefix_max_age` 0, the default: serving),
 or, with `prefix_max_age` k, by a continuation of the cached sequence (an agent's next turn: the new
-prompt runs past the old prompt into what was generated) while its oldest keys/values are at most k
+prompt holds the whole old prompt and what was generated) while its oldest keys/values are at most k
 versions old. As with PipelineRL's in-flight updates, that turn reuses keys/values (and routing) older
 weights computed and only its new tokens see the new weights; its tokens' logprobs are still exactly what
 the sampler used, and the trainer's decoupled objective corrects the difference. An episode that has not
@@ -26,7 +26,8 @@ yet spanned a swap never gets older keys/values (a new episode sharing only the 
 stale slot prefills it afresh), so sequences whose every token the current weights generated stay exactly
 on-policy. Asynchronous RL rollouts set their staleness bound here: the trainer publishes every step, and
 otherwise every episode in flight would re-prefill its whole context after each one. A swap to an older
-version (a rolled-back policy served again) starts a new cache epoch: nothing cached before it is reused.
+version (a rolled-back policy served again), or to other weights under the same version number, starts a
+new cache epoch: nothing cached before it is reused.
 
 Compiled decode (`compile_decode=True`): the decode step's forward runs through `torch.compile` with
 dynamic batch and prefix sizes (a graph for a single row, one for every batch of more),
@@ -41,6 +42,7 @@ Not here: paged attention (shared prefixes are copied, not referenced), chunked 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -55,6 +57,8 @@ from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
 from realtime_rl.model.kv_cache import SlotRows, SlotWindow
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,7 +145,8 @@ class Engine:
         self.prefill_tokens = 0
         self._waiting: deque[_Request] = deque()
         self._running: list[_Seq] = []
-        self._lock = threading.Lock()  # guards _waiting, _pending_swap and aborts across threads
+        self._requests: dict[str, _Request] = {}  # every request queued or running, by id (for aborts)
+        self._lock = threading.Lock()  # guards _waiting, _requests, _pending_swap and aborts across threads
         self._pending_swap: tuple[dict[str, torch.Tensor], int] | None = None
         self._rng = torch.Generator(device="cpu").manual_seed(seed)
         self._ids = itertools.count()
@@ -159,7 +164,19 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     on_update: Callable[[str, int, int | None, RequestOutput | None], None] | None = None) -> str:
-        """Queue a request. on_update(request_id, sample_index, token or None, output when done) runs on the engine thread."""
+        """Queue a request. on_update(request_id, sample_index, token or None, output when done) runs on the
+        engine thread; one that raises is logged and its request aborted, the engine goes on."""
+        prompt = self._check(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already queued or running")
+            req = _Request(request_id, prompt, params, on_update, time.perf_counter())
+            self._requests[request_id] = req
+            self._waiting.append(req)
+        return request_id
+
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -170,19 +187,15 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.max_seq_len}")
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} exceeds the engine's batch of {self.max_batch}")
-        request_id = request_id or f"req-{next(self._ids)}"
-        with self._lock:
-            self._waiting.append(_Request(request_id, prompt, params, on_update, time.perf_counter()))
-        return request_id
+        return prompt
 
     def abort(self, request_id: str) -> None:
+        """End a request at the next step, wherever it is (queued, being prefilled or decoding); a no-op once
+        it has finished."""
         with self._lock:
-            for req in self._waiting:
-                if req.request_id == request_id:
-                    req.aborted = True
-        for seq in self._running:
-            if seq.req.request_id == request_id:
-                seq.req.aborted = True
+            req = self._requests.get(request_id)
+            if req is not None:
+                req.aborted = True
 
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._pending_swap)
@@ -227,7 +240,7 @@ class Engine:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.data = staged[name]
-        if version < self.version:
+        if version <= self.version:  # older weights, or others under the same number: none cached is theirs
             self.slots.rollback()
         self.version = version
         self.last_swap_pause_ms = (time.perf_counter() - t0) * 1e3
@@ -251,11 +264,12 @@ class Engine:
         reused_routing: list[torch.Tensor | None] = []  # and the routing of those tokens
         leaders: dict[tuple[int, ...], int] = {}  # a prompt -> the index in `admitted` of its first request
         followers: list[tuple[_Request, int]] = []  # (request, its prompt's leader) for later ones
+        aborted: list[_Request] = []  # told after the lock is released (their callbacks may call in again)
         with self._lock:
             while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
                 req = self._waiting.popleft()
                 if req.aborted:
-                    finished.append(self._output(req, "abort"))
+                    aborted.append(req)
                     continue
                 key = tuple(req.prompt_ids) if self.slots.prefix_caching else None
                 leader = leaders.get(key) if key is not None else None
@@ -279,6 +293,7 @@ class Engine:
                     admitted.append(req)
                 else:
                     followers.append((req, leader))
+        finished += [self._output(req, "abort") for req in aborted]
         if not admitted:
             return
         lengths = [len(r.prompt_ids) for r in admitted]
@@ -386,9 +401,8 @@ class Engine:
                 s.top.append(list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist())))
             if not s.req.first_token:
                 s.req.first_token = now
+            self._notify(s.req, s.index, token, None)
             s.finish_reason = self._finish_reason(s)
-            if s.req.on_update is not None:
-                s.req.on_update(s.req.request_id, s.index, token, None)
 
     def _finish_reason(self, s: _Seq) -> str | None:
         p = s.req.params
@@ -416,7 +430,7 @@ class Engine:
             else:
                 # The slot's cache holds the prompt and every generated token but the last (never an input).
                 routing = torch.cat([s.req.prompt_routing, *s.routing]) if s.req.prompt_routing is not None else None
-                self.slots.release(s.slot, s.req.prompt_ids + s.token_ids[:-1], len(s.req.prompt_ids), routing)
+                self.slots.release(s.slot, s.req.prompt_ids + s.token_ids[:-1], routing)
         finished_reqs = {id(s.req): s.req for s in self._running if s.finish_reason is not None}
         self._running = still
         for req in finished_reqs.values():
@@ -443,9 +457,21 @@ class Engine:
         out = RequestOutput(req.request_id, req.prompt_ids, samples,
                             (req.prefilled or now) - req.created, (req.first_token or now) - req.created,
                             now - req.created)
-        if req.on_update is not None:
-            req.on_update(req.request_id, -1, None, out)
+        with self._lock:
+            self._requests.pop(req.request_id, None)
+        self._notify(req, -1, None, out)
         return out
+
+    @staticmethod
+    def _notify(req: _Request, index: int, token: int | None, output: RequestOutput | None) -> None:
+        """Call the request's on_update; one that raises (a caller that went away) ends only its request."""
+        if req.on_update is None:
+            return
+        try:
+            req.on_update(req.request_id, index, token, output)
+        except Exception:
+            log.exception("on_update of request %s raised; the request is aborted", req.request_id)
+            req.aborted = True
 
     # ------------------------------------------------------------------------------------------ sync use
 
@@ -460,6 +486,10 @@ class Engine:
                  timeout_s: float = 600.0) -> list[RequestOutput]:
         """Run prompts to completion on the calling thread (tests, benchmarks, offline eval)."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        for p, sp in zip(prompts, plist):
+            self._check(p, sp)  # every prompt before any is queued: a bad one leaves nothing behind
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         results: dict[str, RequestOutput] = {}
         deadline = time.monotonic() + timeout_s

@@ -35,6 +35,8 @@ class SamplingParams:
             (1 <= self.n <= 128, f"n must be in 1..128, got {self.n}"),
             (0 <= self.top_logprobs <= 20, f"top_logprobs must be in 0..20, got {self.top_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (self.seed is None or -(2**63) <= self.seed <= 2**64 - self.n,  # seed + i seeds a torch generator
+             f"seed must be in -2**63..2**64 - n, got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -4,7 +4,7 @@
     source, live_hit = slots.live_prefix(prompt_ids, version)  # a running slot holding more of the prompt
     slot, hit = slots.take(prompt_ids, version, beat=live_hit)  # hit: leading prompt tokens its cache holds
     slots.hold(slot, prompt_ids, routing)             # prefilled: other requests may copy its prompt
-    slots.release(slot, tokens, prompt_len, routing)   # free again; the cache stays for the next taker
+    slots.release(slot, tokens, routing)              # free again; the cache stays for the next taker
     batch = decode_slots([3, 4, 6], [900, 40, 2100], gather=False, device=device)  # how a decode step reads
 
 A freed slot keeps the keys/values of every token its sequence fed the model, and their MoE routing, until
@@ -52,7 +52,6 @@ class SlotTable:
         # the versions a slot's keys/values span are no longer ordered by when they were computed.
         self.epoch = 0
         self.kv_epoch = [0] * count
-        self.prompt_len = [0] * count  # how much of a slot's cache was its request's prompt
         self._freed_at = [-1] * count  # when each slot was last freed (LRU eviction)
         self._frees = itertools.count()
 
@@ -81,8 +80,8 @@ class SlotTable:
                 if self.kv_version[slot] < version - self.prefix_max_age:
                     continue  # computed by weights older than the engine will reuse
                 hit = shared_prefix(cached, p)
-                if self.kv_version[slot] < version and hit <= self.prompt_len[slot]:
-                    continue  # older keys/values only for a continuation of the sequence that holds them
+                if self.kv_version[slot] < version and hit < len(cached):
+                    continue  # older keys/values only for a continuation: the prompt holds the whole sequence
                 if hit > best_hit:
                     best, best_hit = slot, hit
         if best is None:
@@ -125,12 +124,11 @@ class SlotTable:
         routing, self.routing[slot] = self.routing[slot], None
         return routing
 
-    def release(self, slot: int, tokens: Sequence[int], prompt_len: int, routing: torch.Tensor | None) -> None:
-        """Free `slot`, whose cache holds the keys/values of `tokens` (the first prompt_len of them the prompt)."""
+    def release(self, slot: int, tokens: Sequence[int], routing: torch.Tensor | None) -> None:
+        """Free `slot`, whose cache holds the keys/values of `tokens` (its request's prompt and output)."""
         self.free.append(slot)
         self._freed_at[slot] = next(self._frees)
         self.tokens[slot] = np.asarray(tokens)
-        self.prompt_len[slot] = prompt_len
         if routing is not None:
             self.routing[slot] = routing
 
