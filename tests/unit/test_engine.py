@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -323,6 +324,28 @@ def test_generate_checks_every_prompt_before_queueing_any(moe):
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
         engine.generate([[1, 2], [3]], [GREEDY])
     assert not engine.has_work()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_thread_fails_its_callers_at_once_not_at_their_timeouts(moe):
+    engine = Engine(moe, max_batch=2)
+    step, steps = engine.step, []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing_step
+    with AsyncEngine(engine) as aengine:
+        t0 = time.monotonic()
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        with pytest.raises(RuntimeError, match="engine thread died"):
+            aengine.generate_sync(prompts(3)[0], long, 60)
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(RuntimeError, match="engine thread died"):
+            aengine.generate_sync(prompts(3)[0], GREEDY, 60)  # and every later caller
 
 def test_a_vanishing_top_p_keeps_the_top_token(moe):
     """5e-324 rounds to 0 in fp32; the engine must still sample (the top token) rather than die."""

@@ -63,7 +63,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-            self._thread = None
+            if not self._thread.is_alive():  # one still mid-step stays known: start() must not run a second
+                self._thread = None
 
     def __enter__(self) -> AsyncEngine:
         return self.start()
@@ -84,13 +85,17 @@ class AsyncEngine:
                     self.engine.step()
                 else:
                     self._wake.wait(self.idle_wait_s)
-        except BaseException as e:  # surfaced to every later caller instead of hanging them
+        except BaseException as e:  # surfaced to every caller, waiting or later, instead of hanging them
             self.error = e
+            self.engine.abort_all()
             raise
 
-    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_update) -> str:
+    def _raise_if_dead(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"the engine thread died: {self.error!r}")
+            raise RuntimeError(f"the engine thread died: {self.error!r}") from self.error
+
+    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_update) -> str:
+        self._raise_if_dead()
         if self._thread is None:
             raise RuntimeError("AsyncEngine is not started")
         with self._pending_lock:
@@ -132,6 +137,7 @@ class AsyncEngine:
                 if remaining <= 0:
                     raise TimeoutError(f"generation did not finish within {timeout_s} s")
                 event = await asyncio.wait_for(queue.get(), remaining)
+                self._raise_if_dead()
                 yield event
                 if event.output is not None:
                     return
@@ -162,6 +168,7 @@ class AsyncEngine:
         try:
             if not done.wait(timeout_s):
                 raise TimeoutError(f"generation did not finish within {timeout_s} s")
+            self._raise_if_dead()
             return box[0]
         finally:
             self.engine.abort(rid)

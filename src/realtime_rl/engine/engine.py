@@ -197,6 +197,18 @@ class Engine:
             if req is not None:
                 req.aborted = True
 
+    def abort_all(self) -> None:
+        """End every queued or running request now, telling each caller ("abort"): the engine cannot go on."""
+        with self._lock:
+            requests = list(self._requests.values())
+            self._waiting.clear()
+        self._running = []
+        for req in requests:
+            try:
+                self._output(req, "abort")
+            except Exception:
+                log.exception("could not tell request %s that the engine stopped", req.request_id)
+
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._pending_swap)
 
