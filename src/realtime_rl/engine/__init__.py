@@ -2,8 +2,9 @@
 routing capture, per-token policy versions, hot weight swaps; `AsyncEngine` serves concurrent callers."""
 
 from realtime_rl.engine.async_engine import AsyncEngine, EngineOverloaded, TokenEvent
-from realtime_rl.engine.engine import Engine, RequestOutput, SampleOutput
+from realtime_rl.engine.engine import Engine
 from realtime_rl.engine.policy import EnginePolicy
+from realtime_rl.engine.requests import RequestOutput, SampleOutput
 from realtime_rl.engine.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "Engine", "EngineOverloaded", "EnginePolicy", "RequestOutput", "SampleOutput",

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from realtime_rl.engine.engine import Engine, RequestOutput
+from realtime_rl.engine.engine import Engine
+from realtime_rl.engine.requests import RequestOutput
 from realtime_rl.engine.sampling import SamplingParams
 
 

@@ -47,11 +47,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from realtime_rl.engine.requests import (
+    Request, RequestOutput, Seq, check_request, finish_reason, notify, request_output,
+)
 from realtime_rl.engine.sampling import SamplingParams
 from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
@@ -59,68 +61,6 @@ from realtime_rl.model.kv_cache import SlotRows, SlotWindow
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleOutput:
-    """One generated continuation. All per-token lists share the length of token_ids."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    """Under the distribution sampled from (0.0 for greedy)."""
-    raw_logprobs: list[float]
-    """Under the untempered model distribution."""
-    versions: list[int]
-    top_logprobs: list[list[tuple[int, float]]]
-    finish_reason: str
-    """"stop" (stop token or string), "length" (max_tokens or the context), "abort"."""
-    text: str | None = None
-    """Decoded text with any stop string cut off (None without a tokenizer)."""
-    routing: np.ndarray | None = None
-    """[prompt_len + len(token_ids) - 1, moe_layers, k]: routing of every position that was an input."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_ids: list[int]
-    samples: list[SampleOutput]
-    queued_s: float
-    """From add_request to prefill."""
-    first_token_s: float
-    """From add_request to the first sampled token."""
-    total_s: float
-
-
-@dataclass
-class _Seq:
-    req: _Request
-    index: int
-    slot: int
-    generator: torch.Generator
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    raw_logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    routing: list[torch.Tensor] = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str | None = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_update: Callable[[str, int, int | None, RequestOutput | None], None] | None
-    created: float
-    prefilled: float = 0.0
-    first_token: float = 0.0
-    seqs: list[_Seq] = field(default_factory=list)
-    prompt_routing: torch.Tensor | None = None
-    aborted: bool = False
 
 
 class Engine:
@@ -143,9 +83,9 @@ class Engine:
                                need_routing=self.capture_routing)
         self.prefix_hit_tokens = 0
         self.prefill_tokens = 0
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Seq] = []
-        self._requests: dict[str, _Request] = {}  # every request queued or running, by id (for aborts)
+        self._waiting: deque[Request] = deque()
+        self._running: list[Seq] = []
+        self._requests: dict[str, Request] = {}  # every request queued or running, by id (for aborts)
         self._lock = threading.Lock()  # guards _waiting, _requests, _pending_swap and aborts across threads
         self._pending_swap: tuple[dict[str, torch.Tensor], int] | None = None
         self._rng = torch.Generator(device="cpu").manual_seed(seed)
@@ -171,23 +111,13 @@ class Engine:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already queued or running")
-            req = _Request(request_id, prompt, params, on_update, time.perf_counter())
+            req = Request(request_id, prompt, params, on_update, time.perf_counter())
             self._requests[request_id] = req
             self._waiting.append(req)
         return request_id
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        if len(prompt) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {self.max_seq_len}")
-        if params.n > self.max_batch:
-            raise ValueError(f"n={params.n} exceeds the engine's batch of {self.max_batch}")
-        return prompt
+        return check_request(prompt_ids, params, self.model.config.vocab_size, self.max_seq_len, self.max_batch)
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step, wherever it is (queued, being prefilled or decoding); a no-op once
@@ -271,12 +201,12 @@ class Engine:
         return finished
 
     def _admit_and_prefill(self, finished: list[RequestOutput]) -> None:
-        admitted: list[_Request] = []  # prefilled in this step's forward
+        admitted: list[Request] = []  # prefilled in this step's forward
         hits: list[int] = []  # how many leading prompt tokens each one's slot already holds
         reused_routing: list[torch.Tensor | None] = []  # and the routing of those tokens
         leaders: dict[tuple[int, ...], int] = {}  # a prompt -> the index in `admitted` of its first request
-        followers: list[tuple[_Request, int]] = []  # (request, its prompt's leader) for later ones
-        aborted: list[_Request] = []  # told after the lock is released (their callbacks may call in again)
+        followers: list[tuple[Request, int]] = []  # (request, its prompt's leader) for later ones
+        aborted: list[Request] = []  # told after the lock is released (their callbacks may call in again)
         with self._lock:
             while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
                 req = self._waiting.popleft()
@@ -298,7 +228,7 @@ class Engine:
                         # with the same prompt.
                         source = (req if leader is None else admitted[leader]).seqs[0].slot
                         slot, _ = self.slots.take(None, self.version, shares=source)
-                    req.seqs.append(_Seq(req, i, slot, gen))
+                    req.seqs.append(Seq(req, i, slot, gen))
                 if leader is None:
                     if key is not None:
                         leaders[key] = len(admitted)
@@ -331,7 +261,7 @@ class Engine:
             for b, (req, start) in enumerate(zip(admitted, hits)):
                 computed = out.routing_BTLK[b, : lengths[b] - start].cpu()
                 req.prompt_routing = torch.cat([reused_routing[b][:start], computed]) if start else computed
-        rows: list[_Seq] = []
+        rows: list[Seq] = []
         row_logits = []
         for req, b in [(r, b) for b, r in enumerate(admitted)] + followers:
             leader = admitted[b]
@@ -386,7 +316,7 @@ class Engine:
                          capture_routing=self.capture_routing, cache_length=length)
         return out.logits_BTV[:, -1], out.routing_BTLK
 
-    def _sample(self, seqs: list[_Seq], logits_BV: torch.Tensor) -> None:
+    def _sample(self, seqs: list[Seq], logits_BV: torch.Tensor) -> None:
         params = [s.req.params for s in seqs]
         dev = logits_BV.device
         lp_BV, raw_BV = sampling_logprobs(
@@ -413,27 +343,12 @@ class Engine:
                 s.top.append(list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist())))
             if not s.req.first_token:
                 s.req.first_token = now
-            self._notify(s.req, s.index, token, None)
-            s.finish_reason = self._finish_reason(s)
-
-    def _finish_reason(self, s: _Seq) -> str | None:
-        p = s.req.params
-        if s.req.aborted:
-            return "abort"
-        stop_ids = self.default_stop_ids if p.stop_token_ids is None else p.stop_token_ids
-        if not p.ignore_eos and s.token_ids[-1] in stop_ids:
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            tail = self.tokenizer.decode(s.token_ids[-(16 + max(len(x) for x in p.stop)):])
-            if any(x in tail for x in p.stop):
-                return "stop"
-        if len(s.token_ids) >= p.max_tokens or len(s.req.prompt_ids) + len(s.token_ids) >= self.max_seq_len:
-            return "length"
-        return None
+            notify(s.req, s.index, token, None)
+            s.finish_reason = finish_reason(s, self.default_stop_ids, self.tokenizer, self.max_seq_len)
 
     def _retire(self) -> list[RequestOutput]:
         done: list[RequestOutput] = []
-        still: list[_Seq] = []
+        still: list[Seq] = []
         for s in self._running:
             if s.finish_reason is None and s.req.aborted:
                 s.finish_reason = "abort"
@@ -450,40 +365,13 @@ class Engine:
                 done.append(self._output(req, None))
         return done
 
-    def _output(self, req: _Request, reason: str | None) -> RequestOutput:
-        samples = []
-        for s in req.seqs:
-            text = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-                for stop in req.params.stop:
-                    if stop in text:
-                        text = text[: text.index(stop)]
-            routing = None
-            if req.prompt_routing is not None:
-                rows = [req.prompt_routing, *s.routing]
-                routing = torch.cat(rows).numpy()
-            samples.append(SampleOutput(s.index, s.token_ids, s.logprobs, s.raw_logprobs, s.versions, s.top,
-                                        s.finish_reason or reason or "abort", text, routing))
-        now = time.perf_counter()
-        out = RequestOutput(req.request_id, req.prompt_ids, samples,
-                            (req.prefilled or now) - req.created, (req.first_token or now) - req.created,
-                            now - req.created)
+    def _output(self, req: Request, reason: str | None) -> RequestOutput:
+        """The request's output, told to its caller; the engine forgets the request."""
+        out = request_output(req, self.tokenizer, reason)
         with self._lock:
             self._requests.pop(req.request_id, None)
-        self._notify(req, -1, None, out)
+        notify(req, -1, None, out)
         return out
-
-    @staticmethod
-    def _notify(req: _Request, index: int, token: int | None, output: RequestOutput | None) -> None:
-        """Call the request's on_update; one that raises (a caller that went away) ends only its request."""
-        if req.on_update is None:
-            return
-        try:
-            req.on_update(req.request_id, index, token, output)
-        except Exception:
-            log.exception("on_update of request %s raised; the request is aborted", req.request_id)
-            req.aborted = True
 
     # ------------------------------------------------------------------------------------------ sync use
 

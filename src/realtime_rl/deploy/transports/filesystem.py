@@ -22,6 +22,7 @@ from typing import TypeVar
 from realtime_rl.deploy.transports.base import (
     KINDS, MissingBlob, TransportError, WeightTransport, check_blobs,
 )
+from realtime_rl.model.checkpoint import fsync_path
 
 T = TypeVar("T")
 SUFFIX = ".rtw"
@@ -48,14 +49,6 @@ def with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return result["value"]  # type: ignore[return-value]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class FilesystemTransport(WeightTransport):
     def __init__(self, root: str | os.PathLike, timeout_s: float = 60.0) -> None:
         self.root = Path(root)
@@ -75,13 +68,13 @@ class FilesystemTransport(WeightTransport):
 
     def commit(self, staging: Path, version: int) -> None:
         """Rename a filled staging directory to `version`; TransportError if that version exists."""
-        _fsync_dir(staging)
+        fsync_path(staging)
         try:
             os.rename(staging, self.version_dir(version))
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             raise TransportError(f"cannot publish version {version} in {self.root}: {exc}") from exc
-        _fsync_dir(self.root)
+        fsync_path(self.root)
 
     def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
         check_blobs(version, blobs)
