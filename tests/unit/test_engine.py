@@ -144,6 +144,41 @@ def test_stop_tokens_stop_strings_and_lengths(moe, tokenizer):
     assert long.finish_reason == "length" and len(p) + len(long.token_ids) == 40
 
 
+def test_ignore_eos_ignores_only_the_default_stop_tokens(tokenizer):
+    """As in vLLM: ignore_eos lets a reply run past the turn-ending tokens, not past the tokens or strings the
+    request itself asked to stop at."""
+    from realtime_rl.engine.requests import Request, Seq, finish_reason
+
+    def reason(ids, **params):
+        seq = Seq(Request("r", [1], SamplingParams(**params), None, 0.0), 0, 0, torch.Generator(), list(ids))
+        return finish_reason(seq, tokenizer.stop_token_ids, tokenizer, 64)
+
+    end, word = tokenizer.stop_token_ids[0], tokenizer.encode("x")
+    assert reason([*word, end]) == "stop" and reason([*word, end], ignore_eos=True) is None
+    assert reason([*word, 7], ignore_eos=True, stop_token_ids=[7]) == "stop"
+    assert reason(tokenizer.encode("a return"), ignore_eos=True, stop=["return"]) == "stop"
+
+
+def test_a_stop_string_is_found_in_the_text_it_cuts(tokenizer):
+    """Special tokens are left out of the output text, so a stop string that spans one ends the reply and is
+    cut from the text (it was looked for in text that kept them: the reply ran on with the string in it)."""
+    from realtime_rl.engine.requests import Request, Seq, finish_reason, request_output
+    from realtime_rl.model.tokenizer import IM_END
+
+    ids = tokenizer.encode("ab") + tokenizer.encode(IM_END) + tokenizer.encode("cd")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "abcd"
+    req = Request("r", [1], SamplingParams(stop=["bc"], ignore_eos=True), None, 0.0)
+    seq = Seq(req, 0, 0, torch.Generator(), ids)
+    req.seqs.append(seq)
+    seq.finish_reason = finish_reason(seq, tokenizer.stop_token_ids, tokenizer, 64)
+    assert seq.finish_reason == "stop" and request_output(req, tokenizer, None).samples[0].text == "a"
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(moe):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        Engine(moe).add_request([1, 2], SamplingParams(stop=["end"]))
+
+
 def test_requests_join_a_running_batch(moe):
     engine = Engine(moe, max_batch=4)
     engine.add_request(prompts(5)[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))

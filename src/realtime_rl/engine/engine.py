@@ -117,7 +117,8 @@ class Engine:
         return request_id
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        return check_request(prompt_ids, params, self.model.config.vocab_size, self.max_seq_len, self.max_batch)
+        vocab = self.model.config.vocab_size
+        return check_request(prompt_ids, params, vocab, self.max_seq_len, self.max_batch, self.tokenizer)
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step, wherever it is (queued, being prefilled or decoding); a no-op once

@@ -90,8 +90,10 @@ class Request:
 
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int, max_seq_len: int,
-                  max_batch: int) -> list[int]:
+                  max_batch: int, tokenizer: Tokenizer | None) -> list[int]:
     """The prompt as a list of ints, or a ValueError saying what is wrong with the request."""
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need text: this engine has no tokenizer (use stop_token_ids)")
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -110,11 +112,14 @@ def finish_reason(s: Seq, default_stop_ids: Sequence[int], tokenizer: Tokenizer 
     p = s.req.params
     if s.req.aborted:
         return "abort"
-    stop_ids = default_stop_ids if p.stop_token_ids is None else p.stop_token_ids
-    if not p.ignore_eos and s.token_ids[-1] in stop_ids:
+    if p.stop_token_ids is not None:
+        stop_ids = p.stop_token_ids
+    else:
+        stop_ids = () if p.ignore_eos else default_stop_ids
+    if s.token_ids[-1] in stop_ids:
         return "stop"
-    if p.stop and tokenizer is not None:
-        tail = tokenizer.decode(s.token_ids[-(16 + max(len(x) for x in p.stop)):])
+    if p.stop and tokenizer is not None:  # the same text request_output cuts at the stop string
+        tail = tokenizer.decode(s.token_ids[-(16 + max(len(x) for x in p.stop)):], skip_special_tokens=True)
         if any(x in tail for x in p.stop):
             return "stop"
     if len(s.token_ids) >= p.max_tokens or len(s.req.prompt_ids) + len(s.token_ids) >= max_seq_len:

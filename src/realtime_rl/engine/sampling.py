@@ -18,11 +18,13 @@ class SamplingParams:
     seed: int | None = None
     """Sample i uses seed + i; None draws from the engine's generator."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings: generation ends once the text ends with one (the tokens stay, the text is cut)."""
+    """Stop strings: generation ends once the text (special tokens left out) ends with one; the tokens stay,
+    the text is cut. They need an engine with a tokenizer."""
     stop_token_ids: list[int] | None = None
     """Tokens that end generation; None uses the engine's default (the tokenizer's turn-ending tokens)."""
     ignore_eos: bool = False
-    """Generate exactly max_tokens (benchmarks)."""
+    """Do not end at the engine's default stop tokens: with no stop strings or stop_token_ids, exactly
+    max_tokens are generated (benchmarks). Stop strings and explicit stop_token_ids still end it (as vLLM)."""
     top_logprobs: int = 0
     """Alternatives to return per token (0 to 20)."""
 
