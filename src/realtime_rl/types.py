@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -97,7 +98,8 @@ class Segment:
     (0 where loss_mask is False); versions[t] is the policy version that generated token t (-1 for
     context tokens). routing, when the policy is MoE, is [T, moe_layers, k]: row t is the routing of
     position t as an input, as inference computed it (the last position may be zeros: it was never
-    an input).
+    an input). temperature is the one the generated tokens were sampled at: the policy trained is
+    softmax(logits / temperature), the distribution the logprobs are of (0: greedy, never trained).
     """
 
     token_ids: np.ndarray
@@ -105,8 +107,11 @@ class Segment:
     logprobs: np.ndarray
     versions: np.ndarray
     routing: np.ndarray | None = None
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"a segment's temperature must be finite and >= 0, got {self.temperature}")
         n = len(self.token_ids)
         assert len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n, "segment arrays disagree"
         assert self.routing is None or len(self.routing) == n, "routing length differs from token_ids"
@@ -177,6 +182,7 @@ def episode_to_bytes(episode: Episode) -> bytes:
             value = getattr(seg, name)
             if value is not None:
                 arrays[f"{i}/{name}"] = value
+        arrays[f"{i}/temperature"] = np.float64(seg.temperature)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return buf.getvalue()
@@ -187,8 +193,12 @@ def episode_from_bytes(data: bytes) -> Episode:
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             header = json.loads(npz["header"].tobytes())
-            segments = [Segment(**{name: npz[f"{i}/{name}"] if f"{i}/{name}" in npz.files else None
-                                   for name in _SEGMENT_ARRAYS}) for i in range(header.pop("num_segments"))]
+            segments = []
+            for i in range(header.pop("num_segments")):
+                arrays = {name: npz[f"{i}/{name}"] if f"{i}/{name}" in npz.files else None
+                          for name in _SEGMENT_ARRAYS}
+                temperature = float(npz[f"{i}/temperature"]) if f"{i}/temperature" in npz.files else 1.0
+                segments.append(Segment(**arrays, temperature=temperature))  # files before it: sampled at 1
     except (OSError, KeyError, TypeError, ValueError, zipfile.BadZipFile, AssertionError) as e:
         raise ValueError(f"not a serialized episode: {e}") from None
     return Episode(segments=segments, **header)

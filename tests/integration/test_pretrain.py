@@ -111,6 +111,13 @@ def test_ensure_base_model_reuses_a_model_built_from_the_same_config(tmp_path):
     assert again == first and (first / "model.safetensors").stat().st_mtime_ns == stamp  # not retrained
     with pytest.raises(ValueError, match="another config"):
         ensure_base_model(config.model_copy(update={"steps": 9}), show_progress=False)
+    # Started over (resume=false) with fewer steps: the run's own checkpoint comes back, not the newest one
+    # in run_dir (the 6-step model's), and each config then resumes or reuses only its own.
+    shorter = config.model_copy(update={"steps": 3, "checkpoint_every": 3, "resume": False})
+    assert ensure_base_model(shorter, show_progress=False) == tmp_path / "checkpoints" / "step-0000003"
+    resumed = ensure_base_model(shorter.model_copy(update={"resume": True}), show_progress=False)
+    assert resumed.name == "step-0000003"
+    assert ensure_base_model(config, show_progress=False) == first
 
 
 def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):

@@ -179,3 +179,7 @@ def test_real_tiny_moe_model_through_the_loop_with_replayable_routing(tokenizer,
     mask = seg.loss_mask[1:]
     assert mask.sum() > 0
     np.testing.assert_allclose(lp.numpy()[mask], seg.logprobs[1:][mask], atol=1e-4)
+    # Sampled at another temperature, the segment says so: its logprobs are of softmax(logits / 0.7).
+    cfg = AgentConfig(max_turns=1, max_new_tokens=8)
+    warm = run_episode(ModelPolicy(model, temperature=0.7, seed=0), tokenizer, task, sandbox, cfg).episode
+    assert seg.temperature == 1.0 and warm.segments[0].temperature == 0.7

@@ -7,12 +7,12 @@ from realtime_rl.loop.cycle import on_policy_rewards
 from realtime_rl.rewards import SettledReward
 
 
-def completion(cid: str, versions: list[int]) -> CompletionRecord:
+def completion(cid: str, versions: list[int], request_json: str = "{}") -> CompletionRecord:
     n = len(versions)
     choice = ChoiceRecord(index=0, token_ids=[1] * n, logprobs=[-0.1] * n, raw_logprobs=[-0.1] * n,
                           versions=versions, finish_reason="stop", text="ok", content="ok")
     return CompletionRecord(completion_id=cid, created_at=0.0, model_name="m", model_version=min(versions),
-                            prompt_token_ids=[0], choices=[choice], request_json="{}")
+                            prompt_token_ids=[0], choices=[choice], request_json=request_json)
 
 
 def settled(cid: str, model_version: int, seq: int) -> SettledReward:
@@ -30,3 +30,14 @@ def test_a_reply_that_spans_a_rollback_does_not_train_the_restored_version():
     assert [s.completion_id for s in on_policy_rewards(items, records, allowed=[0])] == ["plain"]
     # Under a staleness bound that admits both versions, both replies train.
     assert [s.completion_id for s in on_policy_rewards(items, records, allowed=[1, 0])] == ["plain", "spanning", "old"]
+
+
+def test_greedy_replies_do_not_train_and_sampled_ones_carry_their_temperature():
+    from realtime_rl.train.traffic import traffic_segment
+
+    records = {"greedy": completion("greedy", [0, 0], '{"temperature": 0.0}'),
+               "warm": completion("warm", [0, 0], '{"temperature": 0.7}'), "default": completion("default", [0, 0])}
+    items = [settled("greedy", 0, 1), settled("warm", 0, 2), settled("default", 0, 3)]
+    assert [s.completion_id for s in on_policy_rewards(items, records, allowed=[0])] == ["warm", "default"]
+    assert traffic_segment(records["warm"]).temperature == 0.7  # the trainer recomputes at it
+    assert traffic_segment(records["default"]).temperature == 1.0  # the gateway's default

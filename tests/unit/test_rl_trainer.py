@@ -22,8 +22,10 @@ GOOD = 128  # reward: the first generated token is one of the 128 lowest ids (a 
 PROMPTS = [[5, 17, 42], [9, 3, 77], [250, 11], [30, 31, 32, 33]]
 
 
-def _episodes(engine: Engine, step: int, group_size: int = 8, max_tokens: int = 4) -> list[Episode]:
-    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=group_size, seed=1000 * step, ignore_eos=True)
+def _episodes(engine: Engine, step: int, group_size: int = 8, max_tokens: int = 4, temperature: float = 1.0
+              ) -> list[Episode]:
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=group_size, seed=1000 * step,
+                            ignore_eos=True)
     out = []
     for p, req in enumerate(engine.generate(PROMPTS, params)):
         for s in req.samples:
@@ -34,6 +36,7 @@ def _episodes(engine: Engine, step: int, group_size: int = 8, max_tokens: int = 
                 logprobs=np.array([0.0] * n + s.logprobs, dtype=np.float32),
                 versions=np.array([-1] * n + s.versions, dtype=np.int32),
                 routing=None if s.routing is None else np.concatenate([s.routing, np.zeros_like(s.routing[:1])]),
+                temperature=temperature,
             )
             out.append(Episode(f"s{step}-p{p}-{s.index}", f"prompt-{p}", [seg], "answer", 1, 0, 0, 0,
                                group_id=f"s{step}-p{p}", passed=s.token_ids[0] < GOOD))
@@ -222,6 +225,70 @@ def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_bad_episodes_and_settings_are_refused_before_any_weight_changes(tmp_path):
+    trainer = RLTrainer(_model(), None, RLConfig(), tmp_path)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    engine.update_weights(trainer.weights(), 0)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+
+    def refused(change, message):
+        episodes = _episodes(engine, 0)
+        change(episodes)
+        with pytest.raises(ValueError, match=message):
+            trainer.step(episodes)
+
+    refused(lambda es: setattr(es[3], "reward", float("nan")), "has reward nan")
+    refused(lambda es: es[5].segments[0].logprobs.__setitem__(-1, np.nan), "non-finite behaviour logprob")
+    refused(lambda es: setattr(es[0], "passed", None), "never graded")
+    # R3 on, and one row of a micro-batch without recorded routing: the longest row first trained the whole
+    # micro-batch on the trainer's own routing, silently.
+    refused(lambda es: [setattr(e.segments[0], "routing", None) for e in es[1::2]], "no recorded routing")
+    refused(lambda es: setattr(es[2].segments[0], "temperature", 0.0), "decoded greedily")
+    assert trainer.version == 0 and all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+    with pytest.raises(ValueError, match="needs a reference model"):
+        RLTrainer(_model(), None, RLConfig(kl_coef=0.1), tmp_path / "kl")
+
+
+def test_the_trainer_recomputes_logprobs_at_the_temperature_they_were_sampled_at(tmp_path):
+    """At T = 0.7 the engine's logprobs are of softmax(logits / 0.7); recomputed at 1 they differed by far more
+    than numerics and IcePop masked the tokens for it."""
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    metrics = {}
+    for recorded in (0.7, 1.0):  # 1.0: the segments claim the wrong temperature, as before the fix
+        trainer = RLTrainer(_model(), None, RLConfig(lr=1e-4), tmp_path / str(recorded))
+        engine.update_weights(trainer.weights(), 0)
+        episodes = _episodes(engine, 0, temperature=0.7)
+        for e in episodes:
+            e.segments[0].temperature = recorded
+        metrics[recorded] = trainer.step(episodes)
+    assert metrics[0.7]["train/mismatch_k3"] < 1e-6 and metrics[0.7]["train/icepop_masked_fraction"] == 0
+    assert metrics[1.0]["train/mismatch_k3"] > 1e-3
+
+
+def test_a_non_finite_gradient_skips_the_update(tmp_path, monkeypatch):
+    trainer = RLTrainer(_model(), None, RLConfig(), tmp_path)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    engine.update_weights(trainer.weights(), 0)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(math.inf))
+    metrics = trainer.step(_episodes(engine, 0))
+    assert metrics["train/skipped_nonfinite_updates"] == 1.0 and trainer.version == 1
+    assert all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+
+
+def test_a_resumed_trainer_takes_its_betas_and_weight_decay_from_the_config(tmp_path):
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    first = RLTrainer(_model(), None, RLConfig(weight_decay=0.0, betas=(0.9, 0.99)), tmp_path)
+    first.step(_episodes(engine, 0))
+    first.save()
+    cfg = RLConfig(weight_decay=0.1, betas=(0.8, 0.95))
+    resumed = RLTrainer.open(tmp_path, tmp_path / "checkpoints" / "v-0000001", cfg)
+    decay, no_decay = resumed.optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["betas"] == no_decay["betas"] == (0.8, 0.95)
+    assert resumed.optimizer.state  # the moments themselves are the saved ones
+
+
 def test_staleness_buffer_admits_within_the_bound_and_drops_what_outlives_it():
     sync = StalenessBuffer(max_staleness=0, groups_per_step=2)
     starts = 0
@@ -247,13 +314,14 @@ def test_staleness_buffer_admits_within_the_bound_and_drops_what_outlives_it():
 
 def test_episode_bytes_and_log_roundtrip(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
-    episodes = _episodes(engine, 0)
+    episodes = _episodes(engine, 0, temperature=0.7)
     e = episodes[0]
     back = episode_from_bytes(episode_to_bytes(e))
     assert back.episode_id == e.episode_id and back.group_id == e.group_id and back.passed == e.passed
     for a, b in zip(back.segments, e.segments):
         assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("token_ids", "loss_mask", "logprobs",
                                                                            "versions", "routing"))
+        assert a.temperature == b.temperature == 0.7
     with pytest.raises(ValueError, match="not a serialized episode"):
         episode_from_bytes(b"garbage")
 

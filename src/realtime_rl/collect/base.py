@@ -46,7 +46,7 @@ class ChoiceRecord:
     logprobs: list[float]
     """Under the distribution sampled from (0.0 everywhere for greedy decoding)."""
     raw_logprobs: list[float]
-    """Under the untempered model distribution (what a trainer at temperature 1 recomputes)."""
+    """Under the untempered model distribution (the model's own, temperature 1)."""
     versions: list[int]
     """The policy version whose weights produced each token."""
     finish_reason: str

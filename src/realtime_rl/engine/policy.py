@@ -25,5 +25,7 @@ class EnginePolicy:
         params = SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_new_tokens,
                                 stop_token_ids=list(stop_ids), seed=seed)
         sample = self.engine.generate_sync(context_ids, params, self.timeout_s).samples[0]
-        # The trainer recomputes at temperature 1: behaviour logprobs are those of the sampled distribution.
-        return PolicyOutput(sample.token_ids, sample.logprobs, sample.versions, sample.routing)
+        # Behaviour logprobs are those of the distribution sampled from; the trainer recomputes at the same
+        # temperature (with top_p < 1 the engine's are of the truncated one: the ratio then corrects for it).
+        return PolicyOutput(sample.token_ids, sample.logprobs, sample.versions, sample.routing,
+                            self.temperature)

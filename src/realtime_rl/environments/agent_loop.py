@@ -51,6 +51,8 @@ class PolicyOutput:
     """Policy version that generated each token (weights may change mid-generation)."""
     routing: np.ndarray | None = None
     """MoE routing of every input position of this call: [len(context) + len(token_ids) - 1, layers, k]."""
+    temperature: float = 1.0
+    """What the tokens were sampled at (the logprobs are of softmax(logits / temperature))."""
 
 
 class Policy(Protocol):
@@ -73,6 +75,7 @@ class _SegmentBuilder:
     versions: list[int] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
     routed: int = 0  # positions whose routing is recorded
+    temperature: float | None = None
 
     def add_context(self, ids: list[int]) -> None:
         self.token_ids += ids
@@ -81,6 +84,9 @@ class _SegmentBuilder:
         self.versions += [-1] * len(ids)
 
     def add_generated(self, out: PolicyOutput) -> None:
+        if self.temperature is not None and out.temperature != self.temperature:
+            raise ValueError(f"a segment sampled at temperatures {self.temperature} and {out.temperature}")
+        self.temperature = out.temperature
         start = len(self.token_ids)
         if out.routing is not None:
             # Keep inference's routing for the positions this call computed that we have not recorded.
@@ -104,6 +110,7 @@ class _SegmentBuilder:
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int32),
             routing=routing,
+            temperature=1.0 if self.temperature is None else self.temperature,
         )
 
 

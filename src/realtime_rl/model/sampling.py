@@ -6,7 +6,8 @@ the same tokens whatever else shares its batch.
 
 Two logprobs come back for every sampled token: under the distribution actually sampled from (after
 temperature, top-k, top-p; 0.0 for greedy, a point mass) and under the untempered model distribution
-(what a trainer at temperature 1 recomputes). Top alternatives come from the untempered distribution.
+(the model's own). Top alternatives come from the untempered distribution. The RL trainer recomputes the
+first at the row's temperature (train/rl.py), so the two agree when top-k and top-p are off.
 """
 
 from __future__ import annotations

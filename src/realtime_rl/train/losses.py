@@ -41,8 +41,8 @@ def group_advantages(rewards_G: torch.Tensor, leave_one_out: bool = False, std_n
     """
     rewards_G = rewards_G.float()
     G = rewards_G.numel()
-    if G < 2:
-        return torch.zeros_like(rewards_G)
+    if G < 2 or bool(rewards_G.max() == rewards_G.min()):  # exactly: float32 rounding of the mean is not a
+        return torch.zeros_like(rewards_G)                 # signal (it gave an all-equal group one sign)
     centered = rewards_G - rewards_G.mean()
     if leave_one_out:
         centered = centered * G / (G - 1)

@@ -163,8 +163,12 @@ def masked_next_token_loss(model: Qwen3ForCausalLM, ids_BT: torch.Tensor, mask_B
     return F.cross_entropy(model.lm_head(hidden_BTC[keep]).float(), target[keep], reduction=reduction)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: Path, built_by: str | None = None) -> Path | None:
+    """The newest checkpoint under run_dir; with built_by, the newest that a config of that hash built (a run
+    started over with resume=false leaves the checkpoints of the config before it beside its own)."""
     ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*"))
+    if built_by is not None:
+        ckpts = [c for c in ckpts if _built_by(c) == built_by]
     return ckpts[-1] if ckpts else None
 
 
@@ -195,9 +199,10 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
         torch.set_num_threads(config.threads)
     t_start = time.perf_counter()
     start_step = 0
-    resume_from = latest_checkpoint(run_dir) if config.resume else None
-    if resume_from is not None and _built_by(resume_from) != config_hash(config):
-        raise ValueError(f"{resume_from} was built from another config (hash {_built_by(resume_from)}, this one is "
+    resume_from = latest_checkpoint(run_dir, config_hash(config)) if config.resume else None
+    other = latest_checkpoint(run_dir)
+    if config.resume and resume_from is None and other is not None:
+        raise ValueError(f"{other} was built from another config (hash {_built_by(other)}, this one is "
                          f"{config_hash(config)}): use another run_dir, or set resume=false to start over")
     tokenizer, docs = prepare_corpus(config)
     corpus_s = time.perf_counter() - t_start
@@ -257,7 +262,7 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
                 _save(run_dir, step + 1, model, tokenizer, optimizer, config)
             progress.update(bar, completed=step + 1)
     sink.close()
-    final = latest_checkpoint(run_dir)
+    final = run_dir / "checkpoints" / f"step-{config.steps:07d}"  # this run's, whatever else run_dir holds
     return {"checkpoint": str(final), "steps": config.steps, "documents": len(docs), "prefix_tokens": prefix_len,
             "corpus_s": corpus_s, "minutes": (time.perf_counter() - t_start) / 60, **last}
 

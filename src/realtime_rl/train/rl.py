@@ -25,6 +25,7 @@ unconsumed ones from its durable log). Not here: sampling (rollout/), rewards be
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -52,7 +53,9 @@ def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
     per malformed tool call. The episode's own `reward` wins when a reward stage already set it."""
     if episode.reward is not None:
         return float(episode.reward)
-    return float(bool(episode.passed)) - malformed_penalty * episode.malformed_tool_calls
+    if episode.passed is None:
+        raise ValueError(f"episode {episode.episode_id} was never graded (passed and reward are both unset)")
+    return float(episode.passed) - malformed_penalty * episode.malformed_tool_calls
 
 
 def staleness(episode: Episode, version: int) -> int:
@@ -116,6 +119,8 @@ class _MicroBatch:
     advantages: torch.Tensor
     fresh: torch.Tensor
     """The token's row was generated entirely by the trainer's current version."""
+    temperature: torch.Tensor
+    """The temperature the token was sampled at: its logprob is recomputed at it."""
     rows: list[int]
     """Trained targets per row."""
 
@@ -137,6 +142,8 @@ class RLTrainer:
         self.version = version
         self.consumed: dict[int, list[str]] = dict(consumed or {})
         """version -> the ids of the episodes the step that produced it consumed."""
+        if config.kl_coef > 0 and reference is None:
+            raise ValueError(f"kl_coef={config.kl_coef} needs a reference model (RLTrainer.open loads one)")
         self.reference = reference.eval() if reference is not None else None
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -144,7 +151,9 @@ class RLTrainer:
                                             {"params": no_decay, "weight_decay": 0.0}],
                                            lr=config.lr, betas=config.betas)
         if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+            self.optimizer.load_state_dict(optimizer_state)  # brings back the saved betas and decay
+            for group, decay_rate in zip(self.optimizer.param_groups, (config.weight_decay, 0.0)):
+                group["betas"], group["weight_decay"] = tuple(config.betas), decay_rate
         self.loss_config = LossConfig(config.clip_low, config.clip_high, config.tis_cap, config.icepop_low,
                                       config.icepop_high, config.kl_coef)
         self._route_dtype = routing_dtype(max(1, model.config.num_experts))
@@ -203,6 +212,13 @@ class RLTrainer:
             raise ValueError("an episode was given twice (or was already consumed by an earlier step)")
         cfg = self.config
         rewards = {e.episode_id: episode_reward(e, cfg.malformed_penalty) for e in episodes}
+        for e in episodes:  # one NaN would reach every weight through the loss
+            if not math.isfinite(rewards[e.episode_id]):
+                raise ValueError(f"episode {e.episode_id} has reward {rewards[e.episode_id]}")
+            if not all(np.isfinite(s.logprobs[s.loss_mask]).all() for s in e.segments):
+                raise ValueError(f"episode {e.episode_id} has a non-finite behaviour logprob")
+            if any(s.temperature == 0 and s.loss_mask.any() for s in e.segments):
+                raise ValueError(f"episode {e.episode_id} was decoded greedily: no sample of a policy")
         groups: dict[str, list[Episode]] = defaultdict(list)
         for e in episodes:
             groups[e.group_id or e.episode_id].append(e)
@@ -273,7 +289,10 @@ class RLTrainer:
                         mismatch["k3"] += fresh[1]
                         mismatch["max"] = max(mismatch["max"], fresh[2])
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                self.optimizer.step()
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # an overflow (bf16) or a NaN: this minibatch changes nothing
+                    totals["skipped_nonfinite_updates"] += 1.0
                 totals["grad_norm"] += float(grad_norm)
                 num_updates += 1
         out = {f"train/{k}": v / num_updates for k, v in totals.items()}
@@ -294,18 +313,19 @@ class RLTrainer:
         ids = torch.zeros((B, T), dtype=torch.long)
         where = torch.zeros((B, T), dtype=torch.bool)
         routing = None
-        if self._replays and micro[0][0].routing is not None:
+        if self._replays:
+            if any(seg.routing is None for seg, _ in micro):
+                raise ValueError("router replay is on but a segment has no recorded routing "
+                                 "(rl.router_replay = false trains on the trainer's own routing)")
             L, k = micro[0][0].routing.shape[1:]
             routing = torch.zeros((B, T, L, k), dtype=self._route_dtype)
-        targets, behaviour, advantages, fresh, rows = [], [], [], [], []
+        targets, behaviour, advantages, fresh, temperature, rows = [], [], [], [], [], []
         for b, (seg, a) in enumerate(micro):
             n = len(seg.token_ids) - 1
             trained = seg.loss_mask[1:]
             ids[b, :n] = torch.from_numpy(seg.token_ids[:-1].astype(np.int64))
             where[b, :n] = torch.from_numpy(trained)
             if routing is not None:
-                if seg.routing is None:
-                    raise ValueError("router replay is on but a segment has no recorded routing")
                 routing[b, :n] = torch.from_numpy(seg.routing[:-1].astype(np.int64)).to(self._route_dtype)
             targets.append(seg.token_ids[1:][trained].astype(np.int64))
             behaviour.append(seg.logprobs[1:][trained].astype(np.float32))
@@ -315,14 +335,16 @@ class RLTrainer:
             # computed by them too (the engine drops cached prefixes at a swap), so any difference between
             # the engine's logprobs and ours is numerical. A row that spanned a swap is off-policy instead.
             fresh.append(np.full(rows[-1], bool((seg.versions[seg.loss_mask] == self.version).all())))
+            temperature.append(np.full(rows[-1], seg.temperature, dtype=np.float32))
         prefix = 0
         if B > 1:
             prefix = min(_shared_inputs(micro[0][0], seg) for seg, _ in micro[1:])
             if routing is not None and prefix:
                 same = (routing[:, :prefix] == routing[:1, :prefix]).flatten(2).all(-1).all(0)
                 prefix = int(same.int().cumprod(0).sum())
+        arrays = (targets, behaviour, advantages, fresh, temperature)
         return _MicroBatch(ids, routing, prefix, where[:, prefix:],
-                           *(torch.from_numpy(np.concatenate(x)) for x in (targets, behaviour, advantages, fresh)), rows)
+                           *(torch.from_numpy(np.concatenate(x)) for x in arrays), rows)
 
     def _logprobs(self, batch: _MicroBatch, model: Qwen3ForCausalLM | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,7 +363,8 @@ class RLTrainer:
         positions = torch.arange(P, ids.shape[1]).expand(ids.shape[0], -1)
         hidden_BTC, _ = model.hidden_states(ids[:, P:], positions, shared_prefix=shared,
                                             replay_routing=None if routing is None else routing[:, P:])
-        logp_NV = torch.log_softmax(model.lm_head(hidden_BTC[batch.where_BT]).float(), dim=-1)
+        logits_NV = model.lm_head(hidden_BTC[batch.where_BT]).float() / batch.temperature[:, None]
+        logp_NV = torch.log_softmax(logits_NV, dim=-1)
         return logp_NV.gather(-1, batch.targets[:, None])[:, 0], logp_NV
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ What counts as on-policy (which versions may train the next one) is the caller's
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import numpy as np
@@ -23,6 +24,13 @@ import numpy as np
 from realtime_rl.collect import CompletionRecord
 from realtime_rl.rewards import request_metadata
 from realtime_rl.types import Episode, Segment
+
+
+def sampled_at(record: CompletionRecord) -> float:
+    """The temperature the request's choices were sampled at (the gateway's default, 1, when it gave none);
+    0 is greedy decoding, whose tokens are no sample of a distribution and do not train."""
+    temperature = json.loads(record.request_json).get("temperature")
+    return 1.0 if temperature is None else float(temperature)
 
 
 def traffic_segment(record: CompletionRecord, choice_index: int = 0) -> Segment:
@@ -42,6 +50,7 @@ def traffic_segment(record: CompletionRecord, choice_index: int = 0) -> Segment:
         logprobs=np.concatenate([np.zeros(P, dtype=np.float32), np.asarray(choice.logprobs, dtype=np.float32)]),
         versions=np.concatenate([np.full(P, -1, dtype=np.int64), np.asarray(choice.versions, dtype=np.int64)]),
         routing=routing,
+        temperature=sampled_at(record),
     )
 
 
