@@ -58,6 +58,19 @@ def test_malformed_calls_are_reported_precisely(text, kind, fragment):
     assert fragment in parsed.errors[0].message
 
 
+@pytest.mark.parametrize("body, kind", [
+    ("[" * 5000, "bad_json"),
+    ('{"name": "submit", "arguments": {"n": ' + "1" * 5000 + "}}", "bad_json"),
+    (json.dumps({"name": "submit", "arguments": "[" * 5000}), "bad_arguments"),
+    (json.dumps({"name": "submit", "arguments": '{"n": ' + "1" * 5000 + "}"}), "bad_arguments"),
+])
+def test_json_too_deep_or_too_long_for_python_is_reported_not_raised(body, kind):
+    """Python's json raises RecursionError on deep nesting and ValueError on an integer past 4300 digits;
+    the gateway and the agent loop parse model output, so these must be errors, not exceptions."""
+    parsed = parse_assistant(call(body), TOOLS)
+    assert parsed.tool_calls == [] and [e.kind for e in parsed.errors] == [kind]
+
+
 def test_a_bad_call_does_not_hide_a_good_one():
     text = call("{oops") + call('{"name": "submit", "arguments": {}}')
     parsed = parse_assistant(text, TOOLS)

@@ -174,6 +174,18 @@ def test_a_stop_string_is_found_in_the_text_it_cuts(tokenizer):
     assert seq.finish_reason == "stop" and request_output(req, tokenizer, None).samples[0].text == "a"
 
 
+def test_a_multibyte_stop_string_of_one_byte_tokens_is_found(tokenizer):
+    """A byte-level token may be one byte: the tail searched for a stop string is sized in bytes (these 9
+    characters are 27 bytes, and were never seen whole in a window of 16 + 9 tokens)."""
+    from realtime_rl.engine.requests import Request, Seq, finish_reason
+
+    stop = "日本語の文字列です"
+    assert len(tokenizer.encode(stop)) == len(stop.encode())  # characters the tokenizer never learned
+    req = Request("r", [1], SamplingParams(stop=[stop], ignore_eos=True), None, 0.0)
+    seq = Seq(req, 0, 0, torch.Generator(), tokenizer.encode("ab " + stop))
+    assert finish_reason(seq, tokenizer.stop_token_ids, tokenizer, 256) == "stop"
+
+
 def test_stop_strings_without_a_tokenizer_are_refused(moe):
     with pytest.raises(ValueError, match="no tokenizer"):
         Engine(moe).add_request([1, 2], SamplingParams(stop=["end"]))
@@ -290,6 +302,44 @@ def test_async_engine_backpressure_timeouts_and_threads(moe):
         # The timed-out request was aborted: its slot is free again and the engine still serves.
         assert aengine.generate_sync(prompts(3)[0], GREEDY, 60).samples[0].finish_reason == "length"
 
+
+def test_an_output_queued_before_the_deadline_is_delivered_after_it(moe):
+    """The caller reads the stream late (a slow client): the finished output already waiting is its answer,
+    not a TimeoutError."""
+    engine, finished = Engine(moe, max_batch=2), threading.Event()
+    step = engine.step
+
+    def step_and_tell():
+        outs = step()
+        if outs:  # returned after the output was handed to the caller's loop
+            finished.set()
+        return outs
+
+    engine.step = step_and_tell
+
+    async def main():
+        with AsyncEngine(engine) as aengine:
+            events = aengine.stream(prompts(3)[0], GREEDY, timeout_s=0.5)
+            await anext(events)
+            await asyncio.sleep(0.6)  # past the deadline
+            while not finished.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # the loop takes in what the engine thread sent
+            return [e async for e in events]
+
+    rest = asyncio.run(main())
+    assert rest[-1].output is not None and rest[-1].output.samples[0].finish_reason == "length"
+
+
+def test_generate_frees_its_place_in_the_queue_when_it_returns(moe):
+    """With max_pending=1, one generate after another: the first one's request no longer counts as pending
+    (the stream it reads is closed when it returns, not when it is garbage-collected)."""
+
+    async def main():
+        with AsyncEngine(Engine(moe, max_batch=2), max_pending=1) as aengine:
+            return [await aengine.generate(p, GREEDY, timeout_s=60) for p in prompts(3, 4)]
+
+    assert [len(o.samples[0].token_ids) for o in asyncio.run(main())] == [10, 10]
 
 
 def test_a_callback_that_raises_aborts_only_its_request(moe):

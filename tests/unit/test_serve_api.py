@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from contextlib import contextmanager
 
@@ -345,6 +346,65 @@ def test_a_failing_store_is_a_503_not_a_lost_record(tmp_path, tokenizer):
         store.close()
         r = client.post("/v1/chat/completions", json=chat())
         assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+
+
+def sse_events(text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_that_dies_mid_request_is_a_503_and_a_stream_says_so(tmp_path, tokenizer, monkeypatch,
+                                                                        stream):
+    """The engine thread dies after the request's first token: a plain request is a 503, not a 500; a
+    stream that has begun ends with the error event, not cut off. Nothing is recorded."""
+    import realtime_rl.serve.streaming as streaming
+
+    started, push = threading.Event(), streaming.TextStreamer.push
+
+    def push_and_tell(self, token):
+        started.set()  # the stream's body has begun
+        return push(self, token)
+
+    monkeypatch.setattr(streaming.TextStreamer, "push", push_and_tell)
+    with gateway(tmp_path, tokenizer) as (client, store, engine):
+        step, steps = engine.engine.step, []
+
+        def failing_step():  # the first step prefills and samples the first token
+            steps.append(1)
+            if len(steps) == 2:
+                if stream:
+                    started.wait(30)
+                raise RuntimeError("device lost")
+            return step()
+
+        engine.engine.step = failing_step
+        r = client.post("/v1/chat/completions", json=chat(stream=stream, temperature=0, max_tokens=12))
+        assert len(steps) == 2, "the request ended before the engine died"
+        if stream:
+            events = sse_events(r.text)
+            assert r.status_code == 200 and "[DONE]" not in events and len(events) > 1
+            assert json.loads(events[-1])["error"]["code"] == "engine_unavailable"
+        else:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert store.count_completions() == 0
+
+
+def test_a_bug_mid_stream_ends_it_with_an_error_event_and_is_logged(api, monkeypatch, caplog):
+    import realtime_rl.serve.streaming as streaming
+
+    client, store, _ = api
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(streaming, "build_choice", broken)
+    r = client.post("/v1/chat/completions", json=chat(stream=True))
+    events = sse_events(r.text)
+    assert r.status_code == 200 and "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == "internal_error"
+    assert any(rec.name == "realtime_rl.serve.streaming" and rec.exc_info for rec in caplog.records)
+    assert store.count_completions() == 0
 
 
 def test_metrics_count_requests_tokens_and_the_served_version(api, tokenizer):

@@ -150,6 +150,7 @@ def test_without_a_candidate_everything_goes_to_the_champion(tmp_path, tokenizer
         assert body == {"candidate_fraction": 1.0, "salt": SALT,
                         "arms": {"champion": {"version": 0}, "candidate": {"version": None}}}
         assert 'rtrl_serve_arm_version{arm="candidate"} NaN' in client.get("/metrics").text
+        assert client.get("/health").json()["arms"]["candidate"] == {"status": None, "version": None}
 
 
 def test_an_overloaded_candidate_is_a_503_counted_against_its_arm(tmp_path, tokenizer):
@@ -159,6 +160,31 @@ def test_an_overloaded_candidate_is_a_503_counted_against_its_arm(tmp_path, toke
         assert ask(client, user="ada", stream=True).headers["x-rtrl-arm"] == "candidate"
         assert store.count_completions() == 0
         assert 'rtrl_serve_arm_requests_total{arm="candidate",status="503"} 2.0' in client.get("/metrics").text
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_candidate_sends_its_users_to_the_champion_and_health_says_so(tmp_path, tokenizer, caplog):
+    with gateway(tmp_path, tokenizer, candidate_fraction=1.0) as (client, store):
+        r = client.get("/health")
+        assert r.json()["arms"] == {"champion": {"status": "ok", "version": 0},
+                                    "candidate": {"status": "ok", "version": 5}}
+        candidate = client.app.state.serve.arms.candidate
+
+        def dying_step():
+            raise RuntimeError("device lost")
+
+        candidate.engine.step = dying_step
+        with pytest.raises(RuntimeError, match="engine thread died"):
+            candidate.generate_sync([1, 2, 3], SamplingParams(max_tokens=2), timeout_s=30)
+        with caplog.at_level(logging.ERROR, logger="realtime_rl.serve.arms"):
+            for user in USERS[:3]:
+                r = ask(client, user=user)
+                assert r.status_code == 200 and r.headers["x-rtrl-arm"] == "champion", r.text
+        assert sum("candidate engine died" in rec.getMessage() for rec in caplog.records) == 1  # once
+        assert {rec.arm for rec in store.list_completions()} == {"champion"}
+        r = client.get("/health")  # the gateway still serves everyone
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert r.json()["arms"]["candidate"] == {"status": "unavailable", "version": 5}
 
 
 # ---------------------------------------------------------------------------------------------- admin API

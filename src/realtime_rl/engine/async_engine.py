@@ -17,6 +17,7 @@ timeout; a request that times out is aborted in the engine and its slots are fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -134,10 +135,13 @@ class AsyncEngine:
         deadline = loop.time() + timeout_s
         try:
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError(f"generation did not finish within {timeout_s} s")
-                event = await asyncio.wait_for(queue.get(), remaining)
+                try:  # what has arrived is delivered even past the deadline (a caller that reads late)
+                    event = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise TimeoutError(f"generation did not finish within {timeout_s} s") from None
+                    event = await asyncio.wait_for(queue.get(), remaining)
                 self._raise_if_dead()
                 yield event
                 if event.output is not None:
@@ -148,9 +152,10 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        timeout_s: float = 300.0) -> RequestOutput:
-        async for event in self.stream(prompt_ids, params, timeout_s):
-            if event.output is not None:
-                return event.output
+        async with contextlib.aclosing(self.stream(prompt_ids, params, timeout_s)) as events:
+            async for event in events:  # closed on return, not when collected: no longer counted as pending
+                if event.output is not None:
+                    return event.output
         raise AssertionError("stream ended without an output")
 
     # ------------------------------------------------------------------------------------------ threads

@@ -119,7 +119,8 @@ def finish_reason(s: Seq, default_stop_ids: Sequence[int], tokenizer: Tokenizer 
     if s.token_ids[-1] in stop_ids:
         return "stop"
     if p.stop and tokenizer is not None:  # the same text request_output cuts at the stop string
-        tail = tokenizer.decode(s.token_ids[-(16 + max(len(x) for x in p.stop)):], skip_special_tokens=True)
+        window = 16 + max(len(x.encode()) for x in p.stop)  # in bytes: a byte-level token may be one byte
+        tail = tokenizer.decode(s.token_ids[-window:], skip_special_tokens=True)
         if any(x in tail for x in p.stop):
             return "stop"
     if len(s.token_ids) >= p.max_tokens or len(s.req.prompt_ids) + len(s.token_ids) >= max_seq_len:

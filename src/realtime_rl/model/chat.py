@@ -168,6 +168,8 @@ def _parse_call(index: int, raw: str, schemas: dict[str, dict[str, Any]] | None)
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         return error("bad_json", f"tool call {index} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    except (ValueError, RecursionError):  # an integer past 4300 digits, nesting past the recursion limit
+        return error("bad_json", f"tool call {index} cannot be parsed: a number too long or nesting too deep")
     if not isinstance(obj, dict):
         return error("not_an_object", f"tool call {index} must be a JSON object, got {type(obj).__name__}")
     name = obj.get("name")
@@ -182,7 +184,7 @@ def _parse_call(index: int, raw: str, schemas: dict[str, dict[str, Any]] | None)
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, or too many digits or too deep, as above
             return error("bad_arguments", f"tool call {index} ({name}): arguments string is not JSON")
     if not isinstance(args, dict):
         return error("bad_arguments", f"tool call {index} ({name}): arguments must be an object")

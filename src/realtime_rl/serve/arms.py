@@ -6,7 +6,8 @@
     arms.candidate = build_candidate(champion, state, version)   # once the candidate's store has a version
 
 A request goes to the arm `deploy.assign_arm` gives its user (else its session id) under the current
-traffic; with neither, or while no candidate exists, it goes to the champion. The traffic is one
+traffic; with neither, while no candidate exists, or once the candidate's engine thread has died (its
+users would get 503 until a restart), it goes to the champion. The traffic is one
 immutable value swapped whole: a request reads it once, so a change applies to new requests and one in
 flight finishes on the arm it started on.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -34,6 +36,7 @@ from realtime_rl.engine import AsyncEngine, Engine
 from realtime_rl.serve.schemas import TrafficUpdate
 
 __all__ = ["ARMS", "Arm", "Arms", "Traffic", "build_candidate", "load_traffic", "save_traffic"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,16 @@ class Arms:
         self.traffic = traffic
         self.path = path
         self._lock = threading.Lock()  # one writer of the file at a time, so file and memory agree
+        self._dead_candidate: AsyncEngine | None = None  # the dead candidate engine already logged
 
     def pick(self, user: str | None, session_id: str | None) -> tuple[Arm, AsyncEngine]:
         candidate, traffic = self.candidate, self.traffic  # read once: a concurrent change is seen whole or not at all
         key = user or session_id
+        if candidate is not None and candidate.error is not None:
+            if self._dead_candidate is not candidate:
+                self._dead_candidate = candidate
+                log.error("the candidate engine died (%r); its users go to the champion", candidate.error)
+            candidate = None
         if candidate is None or key is None:
             return "champion", self.champion
         arm = assign_arm(key, traffic.salt, traffic.candidate_fraction)

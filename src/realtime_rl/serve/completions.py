@@ -88,14 +88,20 @@ def prepare(body: ChatCompletionCreate, tokenizer: Tokenizer, max_seq_len: int, 
 
 @contextmanager
 def engine_errors(engine_error: BaseException | None) -> Iterator[None]:
-    """Map engine failures to answers: overload 503 (Retry-After), timeout 504, a refused prompt 400."""
+    """Map engine failures to answers: overload 503 (Retry-After), an engine thread that died (before or
+    during the request) 503, timeout 504, a refused prompt 400."""
+    stopped = ApiError(503, "the engine has stopped; the gateway cannot serve completions",
+                       code="engine_unavailable")
     if engine_error is not None:
-        raise ApiError(503, "the engine has stopped; the gateway cannot serve completions", code="engine_unavailable")
+        raise stopped
     try:
         yield
     except EngineOverloaded as e:
         raise ApiError(503, f"the engine is overloaded ({e}); retry shortly", code="overloaded",
                        headers={"Retry-After": "1"}) from None
+    except RuntimeError:  # AsyncEngine: its thread died while the request waited
+        log.exception("the engine stopped during a request")
+        raise stopped from None
     except TimeoutError as e:
         raise ApiError(504, f"{e}; ask for fewer tokens or retry", code="timeout") from None
     except ValueError as e:  # the engine's own checks of the prompt and parameters

@@ -290,12 +290,27 @@ class ModelListPublic(ApiModel):
     data: list[ModelPublic]
 
 
+class ArmHealthPublic(ApiModel):
+    status: Literal["ok", "unavailable"] | None
+    """"unavailable" once the arm's engine thread died (a dead candidate's users go to the champion); null
+    while the arm does not exist (no candidate yet)."""
+    version: int | None
+
+
+class ArmsHealthPublic(ApiModel):
+    champion: ArmHealthPublic
+    candidate: ArmHealthPublic
+
+
 class HealthPublic(ApiModel):
+    """`status` and the engine fields are the champion's: the gateway serves every user while it runs."""
+
     status: Literal["ok", "unavailable"]
     model: str
     model_version: int
     engine_waiting: int
     engine_running: int
+    arms: ArmsHealthPublic
 
 
 # ---------------------------------------------------------------------------------------------- feedback

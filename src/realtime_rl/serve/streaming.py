@@ -15,6 +15,7 @@ acknowledged, and its logprobs were never computed into an output).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -31,6 +32,8 @@ from realtime_rl.serve.schemas import (
     ChatCompletionChunkPublic, ChunkChoicePublic, DeltaPublic, FunctionDeltaPublic,
     ToolCallDeltaPublic, UsagePublic,
 )
+
+log = logging.getLogger(__name__)
 
 
 class TextStreamer:
@@ -101,11 +104,15 @@ async def _body(state: ServeState, version: int, prepared: Prepared, info: Reque
             delta = streamers[event.index].push(event.token)
             if delta:
                 yield chunk([ChunkChoicePublic(index=event.index, delta=DeltaPublic(content=delta))])
-            event = await anext(events)
+            with engine_errors(None):  # a timeout (504) or an engine thread that died (503)
+                event = await anext(events)
         async for line in _finish(state, prepared, info, event.output, streamers, chunk):
             yield line
-    except (ApiError, TimeoutError) as e:
-        err = e if isinstance(e, ApiError) else ApiError(504, f"{e}; ask for fewer tokens or retry", code="timeout")
+    except ApiError as e:
+        yield _sse(e.body().model_dump())
+    except Exception:  # a bug: the status line is sent, so the client learns of it from the last event
+        log.exception("stream %s failed", info.completion_id)
+        err = ApiError(500, "internal error; the gateway logged it", code="internal_error")
         yield _sse(err.body().model_dump())
     finally:
         await events.aclose()  # aborts the engine request if it is still running (the client went away)
