@@ -192,6 +192,17 @@ def test_prefix_cached_loss_equals_the_full_sequence_loss(tmp_path):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_the_shared_prefix_stops_before_the_input_of_the_first_trained_token():
+    """Token t is trained as the prediction of input t - 1: a prefix that held input t - 1 (it runs without
+    the LM head) would leave token t untrained."""
+    from realtime_rl.train.corpus import Document
+
+    ids, mask = np.arange(12, dtype=np.int32), np.arange(12) >= 5
+    docs = [Document(ids, mask, True), Document(ids.copy(), mask.copy(), False)]
+    assert shared_prefix_length(docs, limit=4096) == 4
+    assert shared_prefix_length([Document(ids, np.ones(12, bool), True)], limit=4096) == 0
+
+
 def test_batches_replay_from_the_step_and_stay_within_the_token_budget(tmp_path):
     tasks = _tasks(tmp_path, 16)
     tokenizer = _tokenizer(tasks)

@@ -279,13 +279,13 @@ def build_followup_documents(tasks: list[Task], tokenizer: Tokenizer, seed: int,
 
 
 def shared_prefix_length(docs: list[Document], limit: int) -> int:
-    """Tokens every document starts with (the system prompt and tool schemas), at most `limit`, and never
-    into a masked token."""
+    """Tokens every document starts with (the system prompt and tool schemas), at most `limit`, ending
+    before the input that predicts a document's first masked token (the prefix runs without the LM head)."""
     first = docs[0].token_ids[:limit]
     n = len(first)
     for d in docs[1:]:
         m = min(n, len(d.token_ids))
         differ = np.flatnonzero(d.token_ids[:m] != first[:m])
         n = int(differ[0]) if len(differ) else m
-    masked = [int(np.flatnonzero(d.loss_mask)[0]) for d in docs if d.loss_mask.any()]
-    return min([n, *masked])
+    masked = [int(np.flatnonzero(d.loss_mask)[0]) - 1 for d in docs if d.loss_mask.any()]
+    return max(0, min([n, *masked]))
