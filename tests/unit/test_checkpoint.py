@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +100,37 @@ def test_not_a_checkpoint_directory(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="invalid JSON"):
         load_checkpoint(tmp_path)
+
+
+def test_a_published_directory_replaces_the_old_one_whole(tmp_path, monkeypatch):
+    import os
+
+    from realtime_rl.model.checkpoint import publish_directory
+
+    def staged(text: str) -> Path:
+        staging = tmp_path / f".staging-{text}"
+        staging.mkdir()
+        (staging / "a.txt").write_text(text)
+        (staging / "b.txt").write_text(text)
+        return staging
+
+    final = tmp_path / "checkpoints" / "v-0000001"
+    publish_directory(staged("old"), final)
+    publish_directory(staged("new"), final)
+    assert {p.name: p.read_text() for p in final.iterdir()} == {"a.txt": "new", "b.txt": "new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # nothing left aside
+    # A crash between the two renames: the old directory was moved aside whole, not deleted file by file.
+    replace = os.replace
+    calls = []
+
+    def crash_on_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("killed")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_second)
+    with pytest.raises(OSError, match="killed"):
+        publish_directory(staged("newer"), final)
+    aside = next(tmp_path.glob(".old-*")) / final.name
+    assert not final.exists() and {p.read_text() for p in aside.iterdir()} == {"new"}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,6 +223,25 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publish_directory(staging: Path, final: Path) -> Path:
+    """Give a fully written directory its final name, durably: its files and itself are fsynced first, a
+    directory already under that name is renamed aside (never half-deleted under it) and removed after,
+    and the parent is fsynced: a crash leaves under `final` the old directory, the new one, or (between the
+    two renames) none, never a part of one."""
+    for path in [*staging.iterdir(), staging]:
+        fsync_path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(dir=staging.parent, prefix=f".old-{final.name}-"))
+        os.replace(final, old / final.name)
+    os.replace(staging, final)
+    fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

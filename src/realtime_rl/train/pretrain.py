@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from realtime_rl.config import PretrainConfig, SandboxConfig
 from realtime_rl.environments import WarmPool
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
+from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.train.corpus import (
@@ -180,11 +180,7 @@ def _save(run_dir: Path, step: int, model: Qwen3ForCausalLM, tokenizer: Tokenize
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, staging / "trainer_state.pt")
     (staging / "pretrain.json").write_text(json.dumps(
         {"config_hash": config_hash(config), "step": step, "config": config.model_dump(mode="json")}, indent=2))
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    return final
+    return publish_directory(staging, final)
 
 
 def _built_by(checkpoint: Path) -> str | None:

@@ -26,7 +26,6 @@ unconsumed ones from its durable log). Not here: sampling (rollout/), rewards be
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import tempfile
 from collections import defaultdict
@@ -39,7 +38,7 @@ import torch
 
 from realtime_rl.config import RLConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, routing_dtype, save_checkpoint
-from realtime_rl.model.checkpoint import fsync_path
+from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, length_normalized, policy_loss
 from realtime_rl.train.schedule import warmup_cosine
@@ -184,12 +183,7 @@ class RLTrainer:
         save_checkpoint(staging, self.model, self.tokenizer)
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "consumed": {str(v): ids for v, ids in self.consumed.items()}}, staging / STATE_FILE)
-        for path in [*staging.iterdir(), staging]:  # on disk before the name says so: the trajectory log's
-            fsync_path(path)                         # files of the consumed groups go once this returns
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        fsync_path(final.parent)
+        publish_directory(staging, final)  # durable before the trajectory log drops the consumed groups' files
         for old in sorted(final.parent.glob("v-*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
