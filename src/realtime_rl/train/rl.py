@@ -183,7 +183,7 @@ class RLTrainer:
         save_checkpoint(staging, self.model, self.tokenizer)
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "consumed": {str(v): ids for v, ids in self.consumed.items()}}, staging / STATE_FILE)
-        publish_directory(staging, final)  # durable before the trajectory log drops the consumed groups' files
+        publish_directory(staging, final)  # durable before the log drops the consumed groups' files
         for old in sorted(final.parent.glob("v-*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
