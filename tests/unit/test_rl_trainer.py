@@ -196,6 +196,13 @@ def test_learning_rate_warms_up_then_decays_to_its_floor(tmp_path):
     reported = [(rate, e) for rate, e in zip(rates, expected) if rate is not None]  # no signal: no rate
     assert len(reported) >= 6
     assert [rate for rate, _ in reported] == pytest.approx([e for _, e in reported])
+    # The loop's trainer starts at the live version with a fresh optimizer: its schedule starts there too.
+    cycle = RLTrainer(_model(), None, cfg, tmp_path / "cycle", version=40, schedule_start=40)
+    for step in range(8):
+        engine.update_weights(cycle.weights(), cycle.version)
+        if (rate := cycle.step(_episodes(engine, step)).get("train/lr")) is not None:
+            break
+    assert rate == pytest.approx(expected[step])  # at version 40: the warmup, not the floor
 
 
 def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):

@@ -355,10 +355,10 @@ class RealtimeLoop:
         version = max(v.version for v in self.registry.list()) + 1
         ckpt = load_checkpoint(live.checkpoint, dtype=torch.float32)
         reference = None
-        if cfg.rl.kl_coef > 0:
+        if cfg.rl.kl_coef > 0:  # KL to the live model: each candidate stays near its parent
             reference = load_checkpoint(live.checkpoint, dtype=torch.float32).model
         trainer = RLTrainer(ckpt.model, ckpt.tokenizer, cfg.rl, self.run_dir / "train", version=live.version,
-                            reference=reference)  # KL to the live model: each candidate stays near its parent
+                            reference=reference, schedule_start=live.version)  # fresh optimizer, fresh warmup
         steps = cfg.train_steps
         if cfg.batch_trajectories is not None:
             steps = max(1, min(steps, len(episodes) // cfg.batch_trajectories))

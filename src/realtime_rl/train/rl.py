@@ -133,12 +133,16 @@ class _MicroBatch:
 class RLTrainer:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None, config: RLConfig, run_dir: Path,
                  version: int = 0, consumed: dict[int, list[str]] | None = None,
-                 optimizer_state: dict[str, Any] | None = None, reference: Qwen3ForCausalLM | None = None) -> None:
+                 optimizer_state: dict[str, Any] | None = None, reference: Qwen3ForCausalLM | None = None,
+                 schedule_start: int = 0) -> None:
         self.model = model.train()
         self.tokenizer = tokenizer
         self.config = config
         self.run_dir = Path(run_dir)
         self.version = version
+        self.schedule_start = schedule_start
+        """The version the learning-rate schedule counts from (the loop: the live version each cycle starts
+        at, with a fresh optimizer; offline: 0, so a resume continues the schedule)."""
         self.consumed: dict[int, list[str]] = dict(consumed or {})
         """version -> the ids of the episodes the step that produced it consumed."""
         if config.kl_coef > 0 and reference is None:
@@ -254,7 +258,8 @@ class RLTrainer:
 
     def _optimize(self, items: list[tuple[Segment, float]]) -> dict[str, float]:
         cfg = self.config
-        lr = warmup_cosine(self.version, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps, cfg.min_lr_ratio)
+        lr = warmup_cosine(self.version - self.schedule_start, cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps,
+                           cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         recompute_prox = cfg.minibatches > 1 or cfg.ppo_epochs > 1
