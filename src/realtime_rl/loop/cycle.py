@@ -58,8 +58,7 @@ from realtime_rl.monitor import JsonlSink
 from realtime_rl.rewards import (
     Interaction, RewardLedger, SettledReward, Traffic, compare, read_traffic, traffic_interactions,
 )
-from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
-from realtime_rl.train.traffic import sampled_at
+from realtime_rl.train import RLTrainer, ensure_base_model, sampled_at, traffic_episodes
 
 EVAL_SCHEMA = 2
 """Version of the cached evaluation outcomes (2: each carries its first reply's action)."""
