@@ -77,7 +77,8 @@ def two_gram_model(tokenizer: Tokenizer, text: str = TOOL_TEXT, seed: int = 0) -
     assert nw <= head_dim
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=H, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, num_experts=4,
-                      num_experts_per_tok=2, moe_intermediate_size=max(16, len(states)), tie_word_embeddings=False)
+                      num_experts_per_tok=2, moe_intermediate_size=-(-len(states) // 16) * 16,
+                      tie_word_embeddings=False)  # grouped_mm wants rows of a multiple of 16 bytes
     model = Qwen3ForCausalLM(cfg)
     model.reset_parameters(seed=seed)
     emb = torch.zeros(cfg.vocab_size, H)
@@ -230,6 +231,24 @@ def test_tool_calls_come_back_in_the_openai_shape(tool_api):
     assert crec.malformed_tool_calls == 0 and crec.finish_reason == "tool_calls"
 
 
+def test_a_stream_sends_the_recorded_content_around_tool_calls(tmp_path, tokenizer):
+    """The text before and after a tool call is the recorded content (joined and trimmed): a stream sends
+    that content, as a plain answer does, and the call. The blank line before the call is held back."""
+    text, content = f"Let me check.\n\n{TOOL_TEXT}\n\nDone.", "Let me check.\nDone."
+    model = two_gram_model(tokenizer, text)
+    with gateway(tmp_path, tokenizer, model=model, max_seq_len=512) as (client, store, _):
+        body = chat("Weather in Paris?", tools=[WEATHER], temperature=0, max_tokens=100)
+        plain = client.post("/v1/chat/completions", json=body).json()
+        r = client.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+        deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
+        assert plain["choices"][0]["message"]["content"] == "".join(d.get("content") or "" for d in deltas)
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or []] == ["get_weather"]
+        for completion_id in (plain["id"], chunks[0]["id"]):
+            crec = store.get_completion(completion_id).choices[0]
+            assert crec.text == text and crec.content == content and crec.finish_reason == "tool_calls"
+
+
 def test_a_malformed_tool_call_is_answered_as_content_and_recorded(tool_api):
     client, store, _ = tool_api
     other = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
@@ -295,6 +314,9 @@ BAD = [
     (req(tools=fn() + fn()), None),  # duplicate names
     (req(tool_choice="required"), None), (req(tool_choice={"type": "function", "function": {"name": "f"}}), None),
     (req(logit_bias={"1": 5}), "logit_bias"), (req(frequency_penalty=0.5), None), (req(top_logprobs=2), None),
+    (req(stream_options={"include_usage": True}), None), (req(stream=False, stream_options={}), None),
+    (req(metadata={"session_id": "s" * 257}), "metadata"),  # longer than feedback's gen_ai.conversation.id
+    (req(messages=[*M, {"role": "assistant", "content": "hi", "refusal": "no"}, *M]), "messages[1].refusal"),
     ({"messages": M}, "model"),
 ]
 
@@ -385,6 +407,8 @@ def test_an_engine_that_dies_mid_request_is_a_503_and_a_stream_says_so(tmp_path,
             events = sse_events(r.text)
             assert r.status_code == 200 and "[DONE]" not in events and len(events) > 1
             assert json.loads(events[-1])["error"]["code"] == "engine_unavailable"
+            metric = 'rtrl_serve_stream_errors_total{arm="champion",code="engine_unavailable"} 1.0'
+            assert metric in client.get("/metrics").text
         else:
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert store.count_completions() == 0
@@ -405,6 +429,9 @@ def test_a_bug_mid_stream_ends_it_with_an_error_event_and_is_logged(api, monkeyp
     assert json.loads(events[-1])["error"]["code"] == "internal_error"
     assert any(rec.name == "realtime_rl.serve.streaming" and rec.exc_info for rec in caplog.records)
     assert store.count_completions() == 0
+    # the answer's status is 200; the failure is counted by arm and code
+    metric = 'rtrl_serve_stream_errors_total{arm="champion",code="internal_error"} 1.0'
+    assert metric in client.get("/metrics").text
 
 
 def test_metrics_count_requests_tokens_and_the_served_version(api, tokenizer):

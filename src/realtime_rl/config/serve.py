@@ -56,6 +56,8 @@ class ServeConfig(StrictModel):
     """A completion that takes longer is aborted and answered 504."""
     default_max_tokens: int = Field(256, ge=1, le=1_000_000)
     """max_tokens when a request does not give one."""
+    max_request_bytes: int = Field(8 * 2**20, ge=1024, le=2**30)
+    """Largest request body; a larger one is answered 413 before it is parsed (or tokenized)."""
     device: str = "cpu"
     """Torch device for the engine (cpu, cuda, cuda:1)."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None

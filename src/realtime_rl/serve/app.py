@@ -35,7 +35,7 @@ from realtime_rl.engine import AsyncEngine, Engine
 from realtime_rl.model import load_checkpoint
 from realtime_rl.serve.arms import Arms, Traffic, build_candidate, load_traffic
 from realtime_rl.serve.deps import ServeState
-from realtime_rl.serve.errors import install_error_handlers
+from realtime_rl.serve.errors import BodyLimitMiddleware, install_error_handlers
 from realtime_rl.serve.metrics import GatewayMetrics, MetricsMiddleware
 from realtime_rl.serve.routes import admin, chat, feedback, health, models
 
@@ -151,7 +151,8 @@ def create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: 
                   description="OpenAI-compatible chat completions and a feedback API; every completion and "
                               "event is recorded before it is answered.")
     install_error_handlers(app)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # the outer one: it counts the 413s too
     app.include_router(chat.router)
     app.include_router(feedback.router)
     app.include_router(models.router)

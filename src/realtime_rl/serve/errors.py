@@ -2,9 +2,10 @@
 
 Bad input is a 4xx whose message says what to fix: validation errors (FastAPI's 422) and malformed JSON
 become 400 naming the field; unknown routes 404, wrong methods 405; a feedback event id already
-recorded with other content 409. 503 (overloaded, with Retry-After; or the event store unavailable)
-and 504 (generation timed out) are the server's faults. Anything else is a bug: it is logged and
-answered 500 in the same shape, without internals.
+recorded with other content 409; a body over max_request_bytes 413 (`BodyLimitMiddleware`). 503
+(overloaded, with Retry-After; or the event store unavailable) and 504 (generation timed out) are the
+server's faults. Anything else is a bug: it is logged and answered 500 in the same shape, without
+internals.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from realtime_rl.serve.schemas import ApiModel
 
@@ -120,6 +123,38 @@ async def unhandled_error_handler(request: Request, exc: Exception) -> JSONRespo
     return error_response(ApiError(500, "internal error; the gateway logged it", code="internal_error"))
 
 
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, before anything parses it: at once when its Content-Length
+    says so, else (a chunked body) once the bytes received pass it. FastAPI passes on an HTTPException raised
+    while it reads the body, and `http_error_handler` answers it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"the request body exceeds {self.max_bytes} bytes (the gateway's max_request_bytes)"
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await error_response(ApiError(413, message))(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(413, message)
+            return msg
+
+        await self.app(scope, counting_receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -130,7 +165,7 @@ def install_error_handlers(app: FastAPI) -> None:
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorPublic, "description": why} for status, why in [
         (400, "Bad input: the message names the field to fix"), (401, "No valid bearer key"),
-        (403, "The key lacks the scope"), (404, "Unknown model"),
+        (403, "The key lacks the scope"), (404, "Unknown model"), (413, "The body exceeds max_request_bytes"),
         (503, "Overloaded (Retry-After) or the event store is unavailable"), (504, "Generation timed out"),
     ]
 }

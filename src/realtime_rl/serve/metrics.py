@@ -12,6 +12,8 @@
     rtrl_serve_arm_requests_total{arm, status}           chat-completion requests, by the arm that took them
     rtrl_serve_arm_request_duration_seconds{arm}         their duration, to the last body byte
     rtrl_serve_arm_version{arm}                          policy version each arm serves (NaN: no candidate yet)
+    rtrl_serve_stream_errors_total{arm, code}            streams ended by an error event, its code (counted
+                                                         above as 200: the status went out before the failure)
 
 A request's arm is the `X-Rtrl-Arm` header of its answer, so only requests an arm took are counted by arm.
 
@@ -68,6 +70,8 @@ class GatewayMetrics:
                                     ["arm", "status"], registry=r)
         self.arm_duration = Histogram("rtrl_serve_arm_request_duration_seconds",
                                       "Duration to the last body byte, by arm", ["arm"], buckets=_BUCKETS, registry=r)
+        self.stream_errors = Counter("rtrl_serve_stream_errors", "Streams ended by an error event",
+                                     ["arm", "code"], registry=r)
         self.arm_version = Gauge("rtrl_serve_arm_version", "Policy version each arm serves (NaN: no such arm yet)",
                                  ["arm"], registry=r)
 

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from realtime_rl.collect import MAX_ATTRIBUTES, EventType, FeedbackEvent
 from realtime_rl.types import ChatMessage, ToolCall
 
+MAX_ID_LENGTH = 256
+"""Longest session, user and completion id: chat requests and the feedback that names them share it."""
+
 
 class ApiModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -58,6 +61,12 @@ class AssistantMessageCreate(_MessageCreate):
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    # OpenAI and vLLM answers carry these as null, and clients send answers back as history; null only
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+    reasoning_content: None = None
 
     @model_validator(mode="after")
     def _check(self) -> AssistantMessageCreate:
@@ -155,7 +164,7 @@ class ChatCompletionCreate(ApiModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
+    user: str | None = Field(None, max_length=MAX_ID_LENGTH)
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         None, max_length=16)
     """metadata["session_id"] names the session when no X-Session-Id header does."""
@@ -172,6 +181,15 @@ class ChatCompletionCreate(ApiModel):
             raise ValueError("stop takes up to 4 non-empty strings of at most 256 characters")
         return v
 
+    @field_validator("metadata")
+    @classmethod
+    def _session(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        session = (v or {}).get("session_id")
+        if session is not None and not 0 < len(session) <= MAX_ID_LENGTH:
+            raise ValueError(f'metadata["session_id"] takes 1 to {MAX_ID_LENGTH} characters (feedback names '
+                             "the session by it, as gen_ai.conversation.id)")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionCreate:
         if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
@@ -184,6 +202,8 @@ class ChatCompletionCreate(ApiModel):
             raise ValueError("frequency_penalty and presence_penalty are not supported (only 0)")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
         return self
 
     @property
@@ -318,7 +338,7 @@ class HealthPublic(ApiModel):
 # reads like the attributes of an OTel log record about the completion it names.
 
 MAX_FEEDBACK_BATCH = 1000
-_Id = Annotated[str, Field(min_length=1, max_length=256)]
+_Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
 
 
 class FeedbackEventCreate(ApiModel):

@@ -2,7 +2,7 @@
 
 The engine request is submitted before the response starts, so overload (503) and refused prompts
 (400) are still plain HTTP errors. Then: a role chunk per choice, content deltas as tokens arrive, and
-at the end, once the completion is recorded, the remaining content (or the tool calls), a finish
+at the end, once the completion is recorded, the rest of the recorded content and the tool calls, a finish
 chunk per choice, a usage chunk when `stream_options.include_usage`, and `[DONE]`. A stream that ends
 without `[DONE]` carries an error event instead and was not acknowledged.
 
@@ -37,11 +37,15 @@ log = logging.getLogger(__name__)
 
 
 class TextStreamer:
-    """The decided prefix of one choice's text, fed token by token."""
+    """The decided prefix of one choice's text, fed token by token; `finish` sends the rest of the content
+    recorded (for tool calls, the text around them, which parse_assistant joins and trims). With tools
+    offered, trailing whitespace is held too: before a tool call the record trims it. Newlines that open
+    a reply before its first tool call are the one thing the record trims after they were sent."""
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], hold_tool_calls: bool) -> None:
         self.tokenizer = tokenizer
         self.markers = stops + ([TOOL_CALL_OPEN, TOOL_CALL_CLOSE] if hold_tool_calls else [])
+        self.hold_space = hold_tool_calls
         self.token_ids: list[int] = []
         self.sent = ""
 
@@ -58,10 +62,11 @@ class TextStreamer:
                     break
         while cut > 0 and text[cut - 1] == "\ufffd":  # an incomplete UTF-8 character
             cut -= 1
-        return self._advance(text[:cut])
+        return self._advance(text[:cut].rstrip() if self.hold_space else text[:cut])
 
-    def finish(self, final_text: str) -> str:
-        return self._advance(final_text)
+    def finish(self, content: str) -> str:
+        """What `content` adds to the text sent ("" if it does not begin with it: nothing is retracted)."""
+        return self._advance(content)
 
     def _advance(self, decided: str) -> str:
         if len(decided) <= len(self.sent) or not decided.startswith(self.sent):
@@ -108,11 +113,13 @@ async def _body(state: ServeState, version: int, prepared: Prepared, info: Reque
                 event = await anext(events)
         async for line in _finish(state, prepared, info, event.output, streamers, chunk):
             yield line
-    except ApiError as e:
-        yield _sse(e.body().model_dump())
-    except Exception:  # a bug: the status line is sent, so the client learns of it from the last event
-        log.exception("stream %s failed", info.completion_id)
-        err = ApiError(500, "internal error; the gateway logged it", code="internal_error")
+    except Exception as e:  # the status line is sent (200): the client learns of it from the last event
+        if isinstance(e, ApiError):
+            err = e
+        else:  # a bug
+            log.exception("stream %s failed", info.completion_id)
+            err = ApiError(500, "internal error; the gateway logged it", code="internal_error")
+        state.metrics.stream_errors.labels(info.arm, err.code or "none").inc()
         yield _sse(err.body().model_dump())
     finally:
         await events.aclose()  # aborts the engine request if it is still running (the client went away)
@@ -123,17 +130,16 @@ async def _finish(state: ServeState, prepared: Prepared, info: RequestInfo, outp
     built = [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples]
     record = build_record(output, prepared, [r for _, r in built], info, stream=True)
     await record_completion(state.store, state.metrics, record)  # acknowledged only after this
-    for (public, _), streamer, sample in zip(built, streamers, output.samples):
+    for (public, _), streamer in zip(built, streamers):
+        rest = streamer.finish(public.message.content or "")  # with tool calls, the text around them
+        if rest:
+            yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(content=rest))])
         if public.finish_reason == "tool_calls":
             calls = [ToolCallDeltaPublic(index=j, id=c.id, type="function",
                                          function=FunctionDeltaPublic(name=c.function.name,
                                                                       arguments=c.function.arguments))
                      for j, c in enumerate(public.message.tool_calls or [])]
             yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(tool_calls=calls))])
-        else:
-            rest = streamer.finish(sample.text or "")
-            if rest:
-                yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(content=rest))])
         yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(), logprobs=public.logprobs,
                                        finish_reason=public.finish_reason)])
     options = prepared.body.stream_options

@@ -4,6 +4,9 @@ The completion is recorded in the event store before the answer is sent: the `id
 names a record that is already on disk. The session is the `X-Session-Id` header, else
 `metadata["session_id"]`; the user is the request's `user` field; both are recorded as given.
 
+A client that goes away before a plain (non-stream) answer is ready aborts its engine request, and the
+completion is not recorded, as for streams (streaming.py): nobody received it.
+
 The arm (champion or candidate) is picked from the user, else the session (serve/arms.py); it answers
 the request, is recorded with it and named in the `X-Rtrl-Arm` header (errors after the pick too);
 `system_fingerprint` names the policy version that served ("rtrl-v12").
@@ -12,11 +15,13 @@ the request, is recorded with it and named in the `X-Rtrl-Arm` header (errors af
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from typing import Annotated
+from collections.abc import Awaitable
+from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Header, Response
+from fastapi import APIRouter, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
@@ -26,10 +31,11 @@ from realtime_rl.serve.completions import (
 )
 from realtime_rl.serve.deps import InferenceKey, ServeState, StateDep
 from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError
-from realtime_rl.serve.schemas import ChatCompletionCreate, ChatCompletionPublic
+from realtime_rl.serve.schemas import MAX_ID_LENGTH, ChatCompletionCreate, ChatCompletionPublic
 from realtime_rl.serve.streaming import stream_response
 
 router = APIRouter(prefix="/v1", tags=["chat"])
+T = TypeVar("T")
 
 
 @router.post("/chat/completions", response_model=ChatCompletionPublic, responses=ERROR_RESPONSES)
@@ -37,8 +43,9 @@ async def create_chat_completion(
     body: ChatCompletionCreate,
     state: StateDep,
     key: InferenceKey,
+    request: Request,
     response: Response,
-    x_session_id: Annotated[str | None, Header(max_length=256)] = None,
+    x_session_id: Annotated[str | None, Header(max_length=MAX_ID_LENGTH)] = None,
 ) -> ChatCompletionPublic | StreamingResponse:
     info = RequestInfo(
         completion_id=f"chatcmpl-{uuid.uuid4().hex}", created_at=time.time(), model_name=state.settings.model_name,
@@ -50,14 +57,14 @@ async def create_chat_completion(
                        param="model", code="model_not_found")
     info.arm, engine = state.arms.pick(info.user, info.session_id)
     try:
-        return await _complete(state, engine, body, info, response)
+        return await _complete(state, engine, body, info, request, response)
     except ApiError as e:  # errors count against the arm too (overload, timeouts)
         e.headers[ARM_HEADER] = info.arm
         raise
 
 
 async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletionCreate, info: RequestInfo,
-                    response: Response) -> ChatCompletionPublic | StreamingResponse:
+                    request: Request, response: Response) -> ChatCompletionPublic | StreamingResponse:
     try:  # tokenizing a long conversation is CPU work: off the event loop, and bounded
         prepared = await asyncio.wait_for(
             run_in_threadpool(prepare, body, state.tokenizer, engine.engine.max_seq_len, engine.engine.max_batch,
@@ -68,7 +75,8 @@ async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletion
     if body.stream:
         return await stream_response(state, engine, prepared, info)
     with engine_errors(engine.error):
-        output = await engine.generate(prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s)
+        output = await _unless_disconnected(request, engine.generate(
+            prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s))
     built = [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples]
     record = build_record(output, prepared, [r for _, r in built], info, stream=False)
     await record_completion(state.store, state.metrics, record)
@@ -77,3 +85,26 @@ async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletion
         id=info.completion_id, created=int(info.created_at), model=info.model_name,
         system_fingerprint=f"rtrl-v{record.model_version}", choices=[p for p, _ in built], usage=usage(record),
     )
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, unless the client disconnects first: then `work` is cancelled (an engine request is
+    aborted, freeing its slots) and the answer is a 499 that nobody reads. The body is read by now, so the
+    next ASGI message is the disconnect (as vLLM's with_cancellation listens for it)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # its cleanup aborts the engine request
+    if task.cancelled():
+        raise ApiError(499, "the client closed the request before the completion was ready",
+                       code="client_closed_request")
+    return task.result()

@@ -1,4 +1,5 @@
-"""GET /v1/models and /v1/models/{model}: the one model this gateway serves (needs the inference scope)."""
+"""GET /v1/models and /v1/models/{model}: the one model this gateway serves (needs the inference scope).
+A model id may hold "/" ("org/name"), so {model} takes the rest of the path."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ async def list_models(state: StateDep, key: InferenceKey) -> ModelListPublic:
     return ModelListPublic(data=[_model(state)])
 
 
-@router.get("/models/{model}", response_model=ModelPublic, responses=ERROR_RESPONSES)
+@router.get("/models/{model:path}", response_model=ModelPublic, responses=ERROR_RESPONSES)
 async def get_model(model: str, state: StateDep, key: InferenceKey) -> ModelPublic:
     if model != state.settings.model_name:
         raise ApiError(404, f"model {model!r} does not exist; this gateway serves {state.settings.model_name!r}",

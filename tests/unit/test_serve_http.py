@@ -1,0 +1,96 @@
+"""The gateway at the HTTP edge: a client that leaves before its answer aborts the generation and nothing is
+recorded; a body over max_request_bytes is a 413 before it is parsed; a model id may hold "/"; what OpenAI
+and vLLM clients send back (null fields of their answers) is accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from tests.unit.test_serve_api import AUTH, M, chat, gateway
+
+
+def test_a_client_that_leaves_before_its_answer_aborts_it_and_nothing_is_recorded(tmp_path, tokenizer):
+    """Over ASGI: the body, then a disconnect as soon as the request decodes. Each decode step is slowed so
+    that the 200 tokens asked for would take seconds."""
+    with gateway(tmp_path, tokenizer) as (client, store, engine):
+        step, steps = engine.engine.step, []
+
+        def slow_step():
+            steps.append(1)
+            time.sleep(0.01)
+            return step()
+
+        engine.engine.step = slow_step
+        body = json.dumps(chat(max_tokens=200)).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            while not engine.engine.num_running:  # the client leaves once its request decodes
+                await asyncio.sleep(0.005)
+            return {"type": "http.disconnect"}
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = {"content-type": "application/json", "content-length": str(len(body)), **AUTH}
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "root_path": "", "query_string": b"", "client": ("127.0.0.1", 50000),
+                 "server": ("testserver", 80),
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        asyncio.run(asyncio.wait_for(client.app(scope, receive, send), 60))
+        deadline = time.monotonic() + 5  # the aborted request leaves the engine at its next step
+        while engine.engine.num_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.engine.num_running == 0 and engine.engine.num_waiting == 0
+        assert len(steps) < 100, "the engine generated the whole answer"
+        assert store.count_completions() == 0
+        assert sent[0]["status"] == 499
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(tmp_path, tokenizer, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tokenizer saw an oversized request")
+
+    monkeypatch.setattr(tokenizer, "encode", refuse)
+    with gateway(tmp_path, tokenizer, max_request_bytes=4096) as (client, store, _):
+        raw = json.dumps(chat("x" * 5000)).encode()
+        for content in (raw, iter([raw[:3000], raw[3000:]])):  # Content-Length, then chunked (no length)
+            r = client.post("/v1/chat/completions", content=content,
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 413, r.text
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and "max_request_bytes" in error["message"]
+        assert store.count_completions() == 0
+        metric = 'rtrl_serve_requests_total{method="POST",route="unmatched",status="413"} 1.0'
+        assert metric in client.get("/metrics").text  # the one refused by its Content-Length
+
+
+def test_a_model_id_with_a_slash_is_found(tmp_path, tokenizer):
+    with gateway(tmp_path, tokenizer, model_name="org/name") as (client, _, _):
+        r = client.get("/v1/models/org/name")
+        assert r.status_code == 200 and r.json()["id"] == "org/name"
+        assert client.get("/v1/models/org/other").status_code == 404
+        r = client.post("/v1/chat/completions", json={**chat(max_tokens=2), "model": "org/name"})
+        assert r.status_code == 200
+
+
+def test_an_answer_sent_back_as_history_and_a_long_session_id_are_accepted(tmp_path, tokenizer):
+    """OpenAI and vLLM answers carry null refusal, annotations, ...; clients send them back as history. A
+    session id as long as a completion accepts can be named by feedback."""
+    with gateway(tmp_path, tokenizer) as (client, store, _):
+        answer = {"role": "assistant", "content": "hi", "refusal": None, "annotations": None, "audio": None,
+                  "function_call": None, "reasoning_content": None, "tool_calls": None}
+        session = "s" * 256
+        body = chat(messages=[*M, answer, *M], metadata={"session_id": session})
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert store.get_completion(r.json()["id"]).session_id == session
+        feedback = {"log.record.uid": "e-1", "event.name": "session_end", "gen_ai.conversation.id": session}
+        assert client.post("/v1/feedback", json=feedback).status_code == 200
