@@ -7,7 +7,8 @@ import json
 import pytest
 
 from realtime_rl.bench.vs_trl import (
-    FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, monotone, ratio_of, snapshot_steps, task_at,
+    FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, monotone, per_step, ratio_of, snapshot_steps,
+    task_at,
 )
 from realtime_rl.environments import WarmPool, run_episode
 from realtime_rl.environments.policies import ScriptedPolicy
@@ -100,3 +101,11 @@ def test_ours_snapshots_go_forward_in_time_and_a_mark_before_the_first_step_is_t
     assert snapshot_steps([0.067, 0.093], 1.0) == [0, 1]  # no step by the first mark: skipped, not the last step
     assert snapshot_steps([0.01, 0.02, 0.5, 0.9, 1.2], 1.0) == [1, 2, 3]  # a step past the budget is not one
     assert snapshot_steps([1.5], 1.0) == [0]  # not one step within the budget: the first
+
+
+def test_per_step_compares_the_steps_both_sides_took():
+    same = per_step([0.5, 0.25, 0.75, 0.5], [0.5, 0.25, 0.75])
+    assert same == {"steps": 3, "mean": 0.0, "ci95": [0.0, 0.0]}
+    ahead = per_step([0.6, 0.4, 0.7, 0.5], [0.5, 0.25, 0.5, 0.5])
+    assert ahead["mean"] == pytest.approx(0.1125) and ahead["ci95"][0] < 0.1125 < ahead["ci95"][1]
+    assert per_step([0.5], [0.5, 0.25]) == {"steps": 1, "mean": None, "ci95": None}
