@@ -102,13 +102,13 @@ def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor
     kl_sum = torch.zeros((), device=new_N.device)
     if ref_N is not None and cfg.kl_coef > 0:
         kl_N = k3(new_N, ref_N.detach())  # tokens were drawn (approximately) from the current policy
-        kl_sum = kl_N.detach().sum()
+        kl_sum = (kl_N.detach() * keep_N).sum()  # the metrics count the tokens the loss counts
         loss = loss + cfg.kl_coef * (kl_N * keep_N).sum() / num_tokens
     with torch.no_grad():
         sums = {
-            "clip_fraction": ((ratio_N * adv_N) != surrogate_N).float().sum(),
+            "clip_fraction": (((ratio_N * adv_N) != surrogate_N) & keep_N).float().sum(),
             "icepop_masked_fraction": (~keep_N).float().sum(),
-            "tis_truncated_fraction": (is_N > cfg.tis_cap).float().sum(),
+            "tis_truncated_fraction": ((is_N > cfg.tis_cap) & keep_N).float().sum(),
             "offpolicy_k3": k3(behav_N, prox_N).sum(),
             "kl_ref": kl_sum,
         }
