@@ -94,3 +94,31 @@ def test_an_answer_sent_back_as_history_and_a_long_session_id_are_accepted(tmp_p
         assert store.get_completion(r.json()["id"]).session_id == session
         feedback = {"log.record.uid": "e-1", "event.name": "session_end", "gen_ai.conversation.id": session}
         assert client.post("/v1/feedback", json=feedback).status_code == 200
+
+
+def test_the_streamer_decodes_each_token_about_once_and_gets_the_whole_text_right(tokenizer):
+    """Incremental decoding gives, after every token, the text of all tokens so far, characters split
+    across byte-level tokens included; the old streamer decoded the whole reply at each token."""
+    import random
+
+    from realtime_rl.serve.streaming import TextStreamer
+
+    text = "def f(x):\n    return 'héllo wörld 😀 中文' * x  # ünïcode\n" * 6
+    ids = tokenizer.encode(text)
+    rng = random.Random(0)
+    ids += [rng.randrange(tokenizer.vocab_size - 8) for _ in range(200)]  # any bytes, broken UTF-8 too
+    decoded, decode = [0], tokenizer.decode
+
+    def counting(token_ids, skip_special_tokens=False):
+        decoded[0] += len(token_ids)
+        return decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    tokenizer.decode = counting
+    try:
+        streamer = TextStreamer(tokenizer, [], hold_tool_calls=False)
+        for i, token in enumerate(ids, 1):
+            streamer.push(token)
+            assert streamer.text() == decode(ids[:i], skip_special_tokens=True)
+    finally:
+        del tokenizer.decode
+    assert decoded[0] < 6 * len(ids)  # whole-reply decoding: len(ids)**2 / 2

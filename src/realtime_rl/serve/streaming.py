@@ -48,10 +48,21 @@ class TextStreamer:
         self.hold_space = hold_tool_calls
         self.token_ids: list[int] = []
         self.sent = ""
+        self._decoded = (0, "")  # the first k tokens and their text, complete characters only
+
+    def text(self) -> str:
+        """The text of every token pushed, decoding only those since the last complete character: byte-level
+        tokens decode to the concatenation of their bytes, so a prefix that ends on a whole character keeps
+        its text (decoding everything at each token was quadratic in the reply's length)."""
+        k, head = self._decoded
+        tail = self.tokenizer.decode(self.token_ids[k:], skip_special_tokens=True)
+        if not tail.endswith("\ufffd"):
+            self._decoded = (len(self.token_ids), head + tail)
+        return head + tail
 
     def push(self, token: int) -> str:
         self.token_ids.append(token)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = self.text()
         cut = len(text)
         for marker in self.markers:
             at = text.find(marker)
