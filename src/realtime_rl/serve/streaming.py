@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from realtime_rl.engine import AsyncEngine, RequestOutput, TokenEvent
@@ -138,7 +139,8 @@ async def _body(state: ServeState, version: int, prepared: Prepared, info: Reque
 
 async def _finish(state: ServeState, prepared: Prepared, info: RequestInfo, output: RequestOutput,
                   streamers: list[TextStreamer], chunk) -> AsyncIterator[str]:
-    built = [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples]
+    built = await run_in_threadpool(  # decoding (logprobs: every alternative) is CPU work: off the event loop
+        lambda: [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples])
     record = build_record(output, prepared, [r for _, r in built], info, stream=True)
     await record_completion(state.store, state.metrics, record)  # acknowledged only after this
     for (public, _), streamer in zip(built, streamers):

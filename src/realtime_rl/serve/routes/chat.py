@@ -77,7 +77,8 @@ async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletion
     with engine_errors(engine.error):
         output = await _unless_disconnected(request, engine.generate(
             prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s))
-    built = [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples]
+    built = await run_in_threadpool(  # decoding (logprobs: every alternative) is CPU work: off the event loop
+        lambda: [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples])
     record = build_record(output, prepared, [r for _, r in built], info, stream=False)
     await record_completion(state.store, state.metrics, record)
     response.headers[ARM_HEADER] = info.arm
