@@ -1,6 +1,7 @@
 """The gateway at the HTTP edge: a client that leaves before its answer aborts the generation and nothing is
 recorded; a body over max_request_bytes is a 413 before it is parsed; a model id may hold "/"; what OpenAI
-and vLLM clients send back (null fields of their answers) is accepted."""
+and vLLM clients send back (null fields of their answers) is accepted; the streamer decodes linearly; one
+timeout covers rendering and generating."""
 
 from __future__ import annotations
 
@@ -122,3 +123,29 @@ def test_the_streamer_decodes_each_token_about_once_and_gets_the_whole_text_righ
     finally:
         del tokenizer.decode
     assert decoded[0] < 6 * len(ids)  # whole-reply decoding: len(ids)**2 / 2
+
+
+def test_rendering_and_generating_share_the_request_timeout(tmp_path, tokenizer, monkeypatch):
+    """A request gets request_timeout_s in all: rendering that took most of it leaves generation the rest
+    (each had the whole of it, so a request could run for twice its timeout)."""
+    import realtime_rl.serve.routes.chat as chat_route
+
+    prepare = chat_route.prepare
+
+    def slow_prepare(*args):
+        time.sleep(2.0)
+        return prepare(*args)
+
+    with gateway(tmp_path, tokenizer, request_timeout_s=3.0) as (client, store, engine):
+        assert client.post("/v1/chat/completions", json=chat(max_tokens=12)).status_code == 200  # warm
+        step = engine.engine.step
+
+        def slow_step():
+            time.sleep(0.12)
+            return step()
+
+        engine.engine.step = slow_step  # 12 tokens: ~1.4 s, within a whole timeout, past what is left
+        monkeypatch.setattr(chat_route, "prepare", slow_prepare)
+        answer = client.post("/v1/chat/completions", json=chat(max_tokens=12))
+        assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout"
+        assert store.count_completions() == 1  # the warm-up's

@@ -92,10 +92,10 @@ def _sse(chunk: ChatCompletionChunkPublic | dict) -> str:
     return f"data: {data}\n\n"
 
 
-async def stream_response(state: ServeState, engine: AsyncEngine, prepared: Prepared,
-                          info: RequestInfo) -> StreamingResponse:
-    """Stream from `engine` (the request's arm)."""
-    events = engine.stream(prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s)
+async def stream_response(state: ServeState, engine: AsyncEngine, prepared: Prepared, info: RequestInfo,
+                          timeout_s: float) -> StreamingResponse:
+    """Stream from `engine` (the request's arm), within what is left of the request's time."""
+    events = engine.stream(prepared.prompt_ids, prepared.params, timeout_s=timeout_s)
     with engine_errors(engine.error):
         first = await anext(events)  # submits the request: overload and refusals are still HTTP errors
     return StreamingResponse(_body(state, engine.version, prepared, info, first, events),

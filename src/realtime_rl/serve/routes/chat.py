@@ -65,6 +65,7 @@ async def create_chat_completion(
 
 async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletionCreate, info: RequestInfo,
                     request: Request, response: Response) -> ChatCompletionPublic | StreamingResponse:
+    deadline = time.monotonic() + state.settings.request_timeout_s  # one budget for rendering and generating
     try:  # tokenizing a long conversation is CPU work: off the event loop, and bounded
         prepared = await asyncio.wait_for(
             run_in_threadpool(prepare, body, state.tokenizer, engine.engine.max_seq_len, engine.engine.max_batch,
@@ -72,11 +73,14 @@ async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletion
             state.settings.request_timeout_s)
     except TimeoutError:
         raise ApiError(504, "rendering the prompt took too long", code="timeout") from None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ApiError(504, "rendering the prompt took the request's whole time", code="timeout")
     if body.stream:
-        return await stream_response(state, engine, prepared, info)
+        return await stream_response(state, engine, prepared, info, left)
     with engine_errors(engine.error):
-        output = await _unless_disconnected(request, engine.generate(
-            prepared.prompt_ids, prepared.params, timeout_s=state.settings.request_timeout_s))
+        output = await _unless_disconnected(request, engine.generate(prepared.prompt_ids, prepared.params,
+                                                                     timeout_s=left))
     built = await run_in_threadpool(  # decoding (logprobs: every alternative) is CPU work: off the event loop
         lambda: [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples])
     record = build_record(output, prepared, [r for _, r in built], info, stream=False)
