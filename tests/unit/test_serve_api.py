@@ -192,6 +192,9 @@ def test_session_header_wins_and_logprobs_come_back(api):
     assert [c["logprob"] for c in content] == pytest.approx(crec.raw_logprobs[:len(content)])
     assert all(len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["logprob"] >= c["logprob"] for c in content)
     assert crec.logprobs == [0.0] * len(crec.token_ids)  # greedy: a point mass
+    # Each token's bytes, joined, are the reply's (a token may hold part of a character: its bytes do not
+    # round-trip through its text).
+    assert bytes(b for c in content for b in c["bytes"]).decode(errors="replace") == crec.text
 
 
 def test_streaming_sends_what_it_records_and_ends_with_done(api):

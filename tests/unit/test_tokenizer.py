@@ -120,3 +120,16 @@ def test_a_tokenizer_without_chatml_tokens_is_rejected(tmp_path):
     HF(models.BPE()).save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="ChatML"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_token_bytes_are_the_bytes_each_token_stands_for(tokenizer):
+    """Concatenated, the tokens' bytes are the text's, characters split between tokens included (decode()
+    of one such token is U+FFFD, whose bytes are not the token's)."""
+    from realtime_rl.model.chat import IM_END
+
+    text = f"def f():\n    return 'héllo 😀 中文 ünï'  # ok{IM_END}"
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some token holds part of a character
+    for i in range(tokenizer.vocab_size):  # every id maps (the byte-level table covers the vocabulary)
+        assert tokenizer.token_bytes(i)

@@ -34,6 +34,23 @@ SPLIT_PATTERN = (
 _CONTROL = {ENDOFTEXT, IM_START, IM_END}
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of the byte-level vocabulary stands for (GPT-2's table, which tokenizers'
+    ByteLevel uses): printable Latin-1 bytes stand for themselves, the other 68 for chr(256 + n) in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 class Tokenizer:
     def __init__(self, hf: HFTokenizer, chat_template: str = CHAT_TEMPLATE) -> None:
         self.hf = hf
@@ -142,6 +159,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a UTF-8 character, for some: decode() shows those as
+        U+FFFD); an added token's are its text's."""
+        if token_id in self.hf.get_added_tokens_decoder():
+            return self.hf.id_to_token(token_id).encode()
+        return bytes(_BYTE_OF[c] for c in self.hf.id_to_token(token_id))
 
     def encode_chat(
         self,

@@ -121,7 +121,7 @@ def _logprobs(sample: SampleOutput, tokenizer: Tokenizer) -> ChoiceLogprobsPubli
 
     def entry(token_id: int, logprob: float) -> TopLogprobPublic:
         text = tokenizer.decode([token_id])
-        return TopLogprobPublic(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+        return TopLogprobPublic(token=text, logprob=logprob, bytes=list(tokenizer.token_bytes(token_id)))
 
     content = []
     for t, token_id in enumerate(ids):
