@@ -33,6 +33,7 @@ registry and the ledger. Not here: serving (the gateway), users (simulated or re
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -353,9 +354,8 @@ class RealtimeLoop:
         episodes = traffic_episodes(rewarded, group_id=f"cycle-{state.cycle}")
         version = max(v.version for v in self.registry.list()) + 1
         ckpt = load_checkpoint(live.checkpoint, dtype=torch.float32)
-        reference = None
-        if cfg.rl.kl_coef > 0:  # KL to the live model: each candidate stays near its parent
-            reference = load_checkpoint(live.checkpoint, dtype=torch.float32).model
+        # KL to the live model, a copy of the weights just loaded: each candidate stays near its parent
+        reference = copy.deepcopy(ckpt.model) if cfg.rl.kl_coef > 0 else None
         trainer = RLTrainer(ckpt.model, ckpt.tokenizer, cfg.rl, self.run_dir / "train", version=live.version,
                             reference=reference, schedule_start=live.version)  # fresh optimizer, fresh warmup
         steps = cfg.train_steps

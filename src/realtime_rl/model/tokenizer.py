@@ -63,6 +63,7 @@ class Tokenizer:
         self.endoftext_id: int = hf.token_to_id(ENDOFTEXT)
         self.tool_call_open_id: int | None = hf.token_to_id(TOOL_CALL_OPEN)
         self.tool_call_close_id: int | None = hf.token_to_id(TOOL_CALL_CLOSE)
+        self._added_ids = frozenset(hf.get_added_tokens_decoder())  # token_bytes asks per token: ask once
 
     # ------------------------------------------------------------------------------------------ build
 
@@ -163,7 +164,7 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (part of a UTF-8 character, for some: decode() shows those as
         U+FFFD); an added token's are its text's."""
-        if token_id in self.hf.get_added_tokens_decoder():
+        if token_id in self._added_ids:
             return self.hf.id_to_token(token_id).encode()
         return bytes(_BYTE_OF[c] for c in self.hf.id_to_token(token_id))
 

@@ -196,8 +196,7 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
     t_start = time.perf_counter()
     start_step = 0
     resume_from = latest_checkpoint(run_dir, config_hash(config)) if config.resume else None
-    other = latest_checkpoint(run_dir)
-    if config.resume and resume_from is None and other is not None:
+    if config.resume and resume_from is None and (other := latest_checkpoint(run_dir)) is not None:
         raise ValueError(f"{other} was built from another config (hash {_built_by(other)}, this one is "
                          f"{config_hash(config)}): use another run_dir, or set resume=false to start over")
     tokenizer, docs = prepare_corpus(config)

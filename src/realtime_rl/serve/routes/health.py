@@ -28,9 +28,9 @@ def _arm(engine: AsyncEngine | None) -> ArmHealthPublic:
 
 @router.get("/health", response_model=HealthPublic, responses={503: {"model": HealthPublic}})
 async def health(state: StateDep) -> JSONResponse:
-    engine = state.engine
-    arms = ArmsHealthPublic(champion=_arm(state.arms.champion), candidate=_arm(state.arms.candidate))
-    body = HealthPublic(status="ok" if engine.error is None else "unavailable", model=state.settings.model_name,
+    engine = state.engine  # the champion's
+    arms = ArmsHealthPublic(champion=_arm(engine), candidate=_arm(state.arms.candidate))
+    body = HealthPublic(status=arms.champion.status, model=state.settings.model_name,
                         model_version=engine.version, engine_waiting=engine.engine.num_waiting,
                         engine_running=engine.engine.num_running, arms=arms)
     return JSONResponse(body.model_dump(), status_code=200 if body.status == "ok" else 503)
