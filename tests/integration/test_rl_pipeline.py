@@ -42,8 +42,10 @@ def _check_run(run_dir: Path, summary: dict, steps: int, max_staleness: int) -> 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, steps + 1))
     assert all(line["metrics"]["train/staleness_max"] <= max_staleness for line in lines)
+    trained = TrajectoryLog(run_dir / "trajectories").trained_ids()
+    assert len(trained) == len(set(trained)) == steps * 2 * 2  # groups_per_step x group_size per version
     consumed = [i for ids in _state(run_dir)["consumed"].values() for i in ids]
-    assert len(consumed) == len(set(consumed)) == steps * 2 * 2  # groups_per_step x group_size per version
+    assert consumed == trained[-len(consumed):]  # the checkpoint's window: the last versions' episodes
 
 
 def test_local_pipeline_trains_within_the_staleness_bound(tmp_path, tiny_checkpoint):
@@ -114,8 +116,8 @@ def test_a_straggler_is_waited_for_and_trained_not_dropped(tmp_path, tiny_checkp
     assert straggler.held is None and straggler.release_at < float("inf")  # held past version 1, released
     assert summary["dropped_stale_groups"] == 0
     assert summary["straggler_wait_s"] > 0.5  # the trainer waited out the held second instead of stepping
-    consumed = {i for ids in _state(tmp_path / "run")["consumed"].values() for i in ids}
-    assert {f"{straggler.held_id}-{i}" for i in range(2)} <= consumed  # and trained the straggler
+    trained = set(TrajectoryLog(tmp_path / "run" / "trajectories").trained_ids())
+    assert {f"{straggler.held_id}-{i}" for i in range(2)} <= trained  # and trained the straggler
 
 
 class _Held(LocalBackend):
@@ -307,7 +309,8 @@ def test_sigkilled_trainer_resumes_without_losing_or_retraining_a_group(tmp_path
     state = _state(run_dir)
     killed_at = state["version"]
     consumed_before = {i for ids in state["consumed"].values() for i in ids}
-    pending = TrajectoryLog(run_dir / "trajectories").load(consumed_before)
+    consumed_at = {int(v): ids for v, ids in state["consumed"].items()}
+    pending = TrajectoryLog(run_dir / "trajectories").load(consumed_at)
     pending_ids = {e.episode_id for g in pending for e in g}
 
     _write_toml(config, run_dir, tiny_checkpoint, steps=killed_at + 4)
@@ -315,8 +318,8 @@ def test_sigkilled_trainer_resumes_without_losing_or_retraining_a_group(tmp_path
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     final = _state(run_dir)
     assert final["version"] == killed_at + 4
-    consumed = [i for v in sorted(final["consumed"], key=int) for i in final["consumed"][v]]
-    assert len(consumed) == len(set(consumed)), "an episode was trained twice"
+    consumed = TrajectoryLog(run_dir / "trajectories").trained_ids()  # both runs', in order
+    assert len(consumed) == len(set(consumed)) == final["version"] * 2, "an episode was trained twice"
     assert consumed_before <= set(consumed)
     # Every group the killed trainer had received is trained once, or dropped for staleness on the record.
     dropped = TrajectoryLog(run_dir / "trajectories").dropped_ids()

@@ -14,7 +14,7 @@ from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM
 from realtime_rl.rollout import StalenessBuffer, TrajectoryLog
 from realtime_rl.train import RLTrainer
-from realtime_rl.train.rl import _micro_batches
+from realtime_rl.train.rl import CONSUMED_VERSIONS, STATE_FILE, _micro_batches
 from realtime_rl.types import Episode, Segment, episode_from_bytes, episode_to_bytes
 from tests.conftest import tiny_config
 
@@ -232,6 +232,25 @@ def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_a_checkpoint_keeps_the_consumed_ids_of_the_last_versions_only(tmp_path):
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    trainer = RLTrainer(_model(), None, RLConfig(lr=1e-3), tmp_path / "run")
+    batches = [_episodes(engine, s) for s in range(CONSUMED_VERSIONS + 3)]
+    for b in batches:
+        trainer.step(b)
+    assert sorted(trainer.consumed) == list(range(4, CONSUMED_VERSIONS + 4))
+    with pytest.raises(ValueError, match="already consumed"):
+        trainer.step(batches[-CONSUMED_VERSIONS])
+    trainer.save()
+    state = torch.load(tmp_path / "run" / "checkpoints" / f"v-{trainer.version:07d}" / STATE_FILE,
+                       weights_only=True)
+    assert sorted(map(int, state["consumed"])) == sorted(trainer.consumed)
+    # An older checkpoint that kept every version opens with the window only.
+    old = RLTrainer(_model(), None, RLConfig(), tmp_path / "old", version=40,
+                    consumed={v: [f"e{v}"] for v in range(1, 41)})
+    assert sorted(old.consumed) == list(range(41 - CONSUMED_VERSIONS, 41))
+
+
 def test_bad_episodes_and_settings_are_refused_before_any_weight_changes(tmp_path):
     trainer = RLTrainer(_model(), None, RLConfig(), tmp_path)
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
@@ -336,12 +355,14 @@ def test_episode_bytes_and_log_roundtrip(tmp_path):
     groups = [[x for x in episodes if x.group_id == gid] for gid in dict.fromkeys(x.group_id for x in episodes)]
     for g in groups:
         log.append(g)
-    assert len(log.load(consumed=set())) == len(groups)
-    pending = log.load(consumed={groups[0][0].episode_id})  # consumed, not yet removed: removed now
+    assert len(log.load(consumed={})) == len(groups)
+    pending = log.load(consumed={3: [groups[0][0].episode_id]})  # consumed, not yet removed: removed now
     assert [g[0].group_id for g in pending] == [g[0].group_id for g in groups[1:]]
     assert len(log) == len(groups) - 1
-    log.remove(groups[:1])
-    assert len(log) == len(groups) - 1
+    assert log.trained_ids() == [e.episode_id for e in groups[0]]  # ... on the record, at version 3
+    log.load(consumed={3: [groups[0][0].episode_id]})  # a second resume does not record it twice
+    log.remove(groups[:1], version=3, recorded=True)
+    assert len(log) == len(groups) - 1 and log.trained_ids() == [e.episode_id for e in groups[0]]
     log.drop(groups[1:2], version=5)  # dropped for staleness: out of the log, on the record
     assert len(log) == len(groups) - 2 and log.dropped_ids() == {e.episode_id for e in groups[1]}
     with open(tmp_path / "log" / "dropped.jsonl", "a") as f:

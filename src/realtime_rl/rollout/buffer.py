@@ -23,9 +23,10 @@ resume, or more groups due at once than steps can take); it is dropped, counted,
 to admission.
 
 TrajectoryLog makes finished groups durable before the trainer sees them (temp file, fsync, rename),
-so a killed trainer resumes with every group it had received and not yet consumed. A group dropped
-for staleness leaves the log with a line in `dropped.jsonl` (its episode ids, its staleness, the
-version): every received group is accounted for, trained once or dropped on the record.
+so a killed trainer resumes with every group it had received and not yet consumed. A trained group
+leaves the log with a line in `trained.jsonl` (its episode ids, the version its step made), a group
+dropped for staleness with one in `dropped.jsonl` (its staleness too): every received group is
+accounted for, trained once or dropped, on the record.
 """
 
 from __future__ import annotations
@@ -109,11 +110,14 @@ class StalenessBuffer:
 
 
 TASKS_FILE = "tasks_handed_out"
+TRAINED_FILE = "trained.jsonl"
+DROPPED_FILE = "dropped.jsonl"
 
 
 class TrajectoryLog:
-    """run_dir/trajectories/<group_id>.npz: one durable file per finished group; `tasks_handed_out`: the
-    admission counter of tasks and sampling seeds."""
+    """run_dir/trajectories/<group_id>.npz: one durable file per finished group, until it is trained or
+    dropped; `trained.jsonl` and `dropped.jsonl`: the record of each; `tasks_handed_out`: the admission
+    counter of tasks and sampling seeds."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -144,46 +148,66 @@ class TrajectoryLog:
         os.replace(tmp, self.root / name)
         fsync_path(self.root)
 
-    def load(self, consumed: set[str]) -> list[list[Episode]]:
-        """Every logged group none of whose episodes was consumed, oldest file first. The files of consumed
-        ones (a trainer stopped between its checkpoint and `remove`) are removed now."""
-        groups = []
+    def load(self, consumed: dict[int, list[str]]) -> list[list[Episode]]:
+        """Every logged group none of whose episodes was consumed (`consumed`: version -> episode ids, as
+        RLTrainer.consumed), oldest file first. The files of consumed ones (a trainer stopped between its
+        checkpoint and `remove`) are removed now, on the record."""
+        consumed_at = {i: v for v, ids in consumed.items() for i in ids}
+        groups, recorded = [], None
         for path in sorted(self.root.glob("*.npz"), key=lambda p: p.stat().st_mtime):
             with np.load(path, allow_pickle=False) as npz:
                 group = [episode_from_bytes(npz[k].tobytes()) for k in sorted(npz.files, key=lambda k: int(k[1:]))]
-            if any(e.episode_id in consumed for e in group):
-                path.unlink(missing_ok=True)
+            versions = {consumed_at[e.episode_id] for e in group if e.episode_id in consumed_at}
+            if versions:
+                recorded = set(self._records(TRAINED_FILE, "group_id")) if recorded is None else recorded
+                self.remove([group], max(versions), recorded=group[0].group_id in recorded)
             else:
                 groups.append(group)
         return groups
 
-    def remove(self, groups: list[list[Episode]]) -> None:
-        """Forget consumed groups (called once the checkpoint that consumed them is durable)."""
+    def remove(self, groups: list[list[Episode]], version: int, recorded: bool = False) -> None:
+        """Forget groups the step that made `version` consumed (called once its checkpoint is durable), with a
+        line each in trained.jsonl (unless `recorded`: the line is there already)."""
+        if not recorded:
+            self._record(TRAINED_FILE, [{"group_id": g[0].group_id, "version": version,
+                                         "episode_ids": [e.episode_id for e in g]} for g in groups])
         for group in groups:
             (self.root / f"{group[0].group_id}.npz").unlink(missing_ok=True)
 
     def drop(self, groups: list[list[Episode]], version: int) -> None:
-        """Record groups dropped for staleness (dropped.jsonl, fsync'd), then forget them."""
-        if not groups:
-            return
-        with open(self.root / "dropped.jsonl", "a") as f:
-            for group in groups:
-                f.write(json.dumps({"group_id": group[0].group_id, "version": version,
-                                    "staleness": group_staleness(group, version),
-                                    "episode_ids": [e.episode_id for e in group]}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.remove(groups)
+        """Record groups dropped for staleness (dropped.jsonl), then forget them."""
+        self._record(DROPPED_FILE, [{"group_id": g[0].group_id, "version": version,
+                                     "staleness": group_staleness(g, version),
+                                     "episode_ids": [e.episode_id for e in g]} for g in groups])
+        for group in groups:
+            (self.root / f"{group[0].group_id}.npz").unlink(missing_ok=True)
+
+    def trained_ids(self) -> list[str]:
+        """Episode ids of every group trained so far, in the order trained (a group trained twice would show
+        twice; none is)."""
+        return [i for ids in self._records(TRAINED_FILE, "episode_ids") for i in ids]
 
     def dropped_ids(self) -> set[str]:
-        """Episode ids of every group dropped for staleness so far. Every record ends with a newline: a
-        trainer killed mid-append leaves an unterminated last line, which is not a record (its group is still
-        in the log, and is dropped again on the record)."""
-        path = self.root / "dropped.jsonl"
+        """Episode ids of every group dropped for staleness so far."""
+        return {i for ids in self._records(DROPPED_FILE, "episode_ids") for i in ids}
+
+    def _record(self, name: str, records: list[dict]) -> None:
+        """Append one JSON line per record to root/name, fsync'd."""
+        if not records:
+            return
+        with open(self.root / name, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _records(self, name: str, key: str) -> list:
+        """Field `key` of every record in root/name. Every record ends with a newline: a trainer killed
+        mid-append leaves an unterminated last line, which is not a record (its group is still in the log and
+        is recorded again)."""
+        path = self.root / name
         if not path.is_file():
-            return set()
-        records = path.read_text().split("\n")[:-1]
-        return {i for line in records if line for i in json.loads(line)["episode_ids"]}
+            return []
+        return [json.loads(line)[key] for line in path.read_text().split("\n")[:-1] if line]
 
     def __len__(self) -> int:
         return sum(1 for _ in self.root.glob("*.npz"))

@@ -69,7 +69,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     trainer = RLTrainer.open(run_dir, base, config.rl)
     gps, size = config.rl.groups_per_step, config.rl.group_size
     log = TrajectoryLog(run_dir / "trajectories")
-    pending = log.load(trainer.consumed_ids())
+    pending = log.load(trainer.consumed)
     buffer = StalenessBuffer(config.max_staleness, gps, started=trainer.version * gps + len(pending))
     handed_out = log.tasks_handed_out()
     next_task = buffer.started if handed_out is None else handed_out  # only grows: drops give back no task
@@ -131,7 +131,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                 metrics = trainer.step([e for g in batch for e in g])
                 trainer.save(config.checkpoint_keep)
                 backend.publish(trainer.weights(), trainer.version)
-                log.remove(batch)
+                log.remove(batch, trainer.version)
                 receive(backend.poll(0))
                 progress_at = time.perf_counter()
                 elapsed = time.perf_counter() - t_start

@@ -17,10 +17,13 @@ separate rows. The LM head and softmax run only where a token is trained. The pr
 current weights: with one minibatch and one epoch it equals the policy being optimised at the
 forward, so no extra pass is needed; otherwise a no-grad pass computes it first.
 
-Checkpoints are written to a temporary directory and renamed, and record the policy version and, per
-version, the ids of the episodes that step consumed: a trainer killed at any instant resumes from
-its last checkpoint and neither retrains nor forgets an episode (the orchestrator re-feeds the
-unconsumed ones from its durable log). Not here: sampling (rollout/), rewards beyond pass/fail.
+Checkpoints are written to a temporary directory and renamed, and record the policy version and, for
+the last CONSUMED_VERSIONS versions, the ids of the episodes each step consumed: a trainer killed at any
+instant resumes from its last checkpoint and neither retrains nor forgets an episode (the orchestrator
+re-feeds the unconsumed ones from its durable log, which forgets a step's groups once the checkpoint of
+that step is durable, so a resume meets at most the last step's; the run's whole record of what trained
+is the log's `trained.jsonl`, not the checkpoint, which stays the same size however long the run).
+Not here: sampling (rollout/), rewards beyond pass/fail.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from realtime_rl.train.schedule import warmup_cosine
 from realtime_rl.types import Episode, Segment
 
 STATE_FILE = "trainer_state.pt"
+CONSUMED_VERSIONS = 16
+"""Versions whose consumed episode ids a checkpoint keeps: one would do for a resume (see above); the rest
+let `step` refuse an episode given again a few steps later."""
 
 
 def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
@@ -143,8 +149,10 @@ class RLTrainer:
         self.schedule_start = schedule_start
         """The version the learning-rate schedule counts from (the loop: the live version each cycle starts
         at, with a fresh optimizer; offline: 0, so a resume continues the schedule)."""
-        self.consumed: dict[int, list[str]] = dict(consumed or {})
-        """version -> the ids of the episodes the step that produced it consumed."""
+        window = version - CONSUMED_VERSIONS
+        self.consumed = {v: list(ids) for v, ids in (consumed or {}).items() if v > window}
+        """version -> the ids of the episodes the step that produced it consumed, for the last
+        CONSUMED_VERSIONS versions."""
         if config.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef={config.kl_coef} needs a reference model (RLTrainer.open loads one)")
         self.reference = reference.eval() if reference is not None else None
@@ -193,6 +201,7 @@ class RLTrainer:
         return final
 
     def consumed_ids(self) -> set[str]:
+        """The episodes the last CONSUMED_VERSIONS steps consumed."""
         return {i for ids in self.consumed.values() for i in ids}
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -254,6 +263,7 @@ class RLTrainer:
             metrics["train/skipped_no_signal"] = 1.0
         self.version += 1
         self.consumed[self.version] = ids
+        self.consumed.pop(self.version - CONSUMED_VERSIONS, None)
         return metrics
 
     def _optimize(self, items: list[tuple[Segment, float]]) -> dict[str, float]:
