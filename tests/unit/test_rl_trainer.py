@@ -129,6 +129,12 @@ def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_r
 
     micro[2][0].routing[7, 0] = (micro[2][0].routing[7, 0] + 1) % model.config.num_experts
     assert trainer._batch(micro).prefix == 7  # where the recorded routing differs, rows stop sharing
+    # ... and packing counts it: a budget that holds the four rows behind the shared prompt does not hold them
+    # behind 7 shared positions, so the row that routed differently is packed apart.
+    longest = max(len(s.token_ids) for s, _ in micro) - 1
+    budget = shared.prefix + len(micro) * (longest - shared.prefix)
+    packed = _micro_batches(micro, budget, by_version=True)
+    assert len(packed) > 1 and all(trainer._batch(b).positions[0] <= budget for b in packed)
 
     # Rows another version generated routed the prompt its own way: they are packed apart, each batch keeping
     # its whole shared prompt.
