@@ -279,6 +279,33 @@ def test_exercism_grading_cold_matches_warm(sandbox, pool):
     assert sum(r.fallback_reason is None for r in light) > len(light) // 2  # most ran without pytest
 
 
+WRAPPED = ("import functools\n\ndef deco(f):\n    @functools.wraps(f)\n    def w(*a, **k):\n"
+           "        return f(*a, **k)\n    return w\n\n@deco\ndef test_a(n):\n    pass\n")
+# name: (test file source, the light runner's fallback reason or None where it answers itself)
+LIGHT_CASES = {
+    "skip_in_a_function": ("import unittest\n\ndef test_a():\n    raise unittest.SkipTest('no')\n\n"
+                           "def test_b():\n    pass\n", None),
+    "defaults": ("def test_a(x=1, *, y=2):\n    assert x + y == 3\n", None),
+    "keyword_fixture": ("def test_a(*, n):\n    pass\n", "takes fixtures"),
+    "wrapped_fixture": (WRAPPED, "takes fixtures"),
+    "coroutine": ("async def test_a():\n    pass\n", "generator or coroutine"),
+    "skip_at_import": ("import unittest\nraise unittest.SkipTest('later')\n", "skips at import"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(LIGHT_CASES))
+def test_light_runner_counts_as_pytest_importing_only_what_a_test_file_uses(sandbox, case):
+    """The light runner in a fresh sandbox imports unittest, inspect and traceback only where a test file
+    needs them (a fresh interpreter per grade pays for each import); its counts are pytest's either way."""
+    source, reason = LIGHT_CASES[case] if case in LIGHT_CASES else (CASES[case][0], None)
+    files = {"sol.py": "def f():\n    return 1\n", "test_sol.py": source}
+    light = sandbox.run_tests(files, ["test_sol.py"], runner="light")
+    cold = sandbox.run_tests(files, ["test_sol.py"], runner="pytest")
+    counts = [(r.ok, r.passed, r.failed, r.errors, r.skipped) for r in (light, cold)]
+    assert counts[0] == counts[1], light.output
+    assert (light.fallback_reason is None) if reason is None else reason in light.fallback_reason
+
+
 def test_light_runner_in_a_fresh_sandbox_counts_as_pytest_and_falls_back_to_it(sandbox):
     tests = {"test_add.py": "from calc import add\n\ndef test_add():\n    assert add(1, 2) == 3\n\n"
                             "def test_neg():\n    assert add(-1, -2) == -3\n"}

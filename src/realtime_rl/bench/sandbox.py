@@ -2,6 +2,10 @@
 
     cold_p50_ms      Sandbox.run_tests: a fresh sandbox running pytest on a small unittest-style task
     cold_exec_p50_ms Sandbox.run(["true"]): the cost of a fresh sandbox alone
+    cold_light_p50_ms  the same tests as plain functions (the synthetic tasks' style), with the light runner
+                     in a fresh sandbox: what grading runs
+    cold_light_cpu_ms  the machine's CPU time per such run (all processes: /proc/stat over the runs, so
+                     anything else running on the machine counts too)
     warm_p50_ms      WarmPool.run_tests on the same task, one request at a time (p99 too)
     runs_per_s       warm runs per second with `pool_size` (2) slots and as many client threads
     escapes_*        the escape battery of the integration tests (sandbox/escapes.py), judged on the host
@@ -12,6 +16,7 @@ share the machine with whatever else runs on it; `--quick` takes fewer samples.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -52,6 +57,36 @@ class IsogramTest(unittest.TestCase):
         self.assertIs(is_isogram("up-to-date"), False)
 '''
 FILES = {"isogram.py": SOLUTION, "isogram_test.py": TESTS}
+FUNCTION_TESTS = '''from isogram import is_isogram
+
+
+def test_empty_string():
+    assert is_isogram("") is True
+
+
+def test_lowercase_letters():
+    assert is_isogram("isogram") is True
+
+
+def test_duplicate_letter():
+    assert is_isogram("eleven") is False
+
+
+def test_mixed_case():
+    assert is_isogram("Alphabet") is False
+
+
+def test_hyphens_and_spaces():
+    assert is_isogram("six-year-old") is True
+    assert is_isogram("Emily Jung Schwartzkopf") is True
+
+
+def test_duplicate_after_hyphen():
+    assert is_isogram("thumbscrew-japingly") is True
+    assert is_isogram("up-to-date") is False
+'''
+FUNCTION_FILES = {"isogram.py": SOLUTION, "isogram_test.py": FUNCTION_TESTS}
+"""The same tests as plain functions, the synthetic tasks' style."""
 
 
 def _ms(samples: list[float], q: float) -> float:
@@ -68,6 +103,13 @@ def _timed(fn, n: int) -> list[float]:
     return out
 
 
+def _machine_cpu_s() -> float:
+    """User + system CPU seconds the whole machine has spent since boot (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (fields[0] + fields[1] + fields[2]) / os.sysconf("SC_CLK_TCK")
+
+
 def _check(report) -> None:
     if not (report.ok and report.passed == 6):
         raise RuntimeError(f"the benchmark task did not pass in the sandbox:\n{report.output[-2000:]}")
@@ -81,6 +123,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     _check(sandbox.run_tests(FILES, ["isogram_test.py"]))
     cold = _timed(lambda: sandbox.run_tests(FILES, ["isogram_test.py"]), n_cold)
     cold_exec = _timed(lambda: sandbox.run(["true"], {}), n_cold)
+    _check(light := sandbox.run_tests(FUNCTION_FILES, ["isogram_test.py"], runner="light"))
+    if light.fallback_reason:
+        raise RuntimeError(f"the light runner fell back to pytest: {light.fallback_reason}")
+    cpu_before = _machine_cpu_s()
+    cold_light = _timed(lambda: sandbox.run_tests(FUNCTION_FILES, ["isogram_test.py"], runner="light"),
+                        n_cold)
+    cold_light_cpu_s = (_machine_cpu_s() - cpu_before) / n_cold
 
     with WarmPool(sandbox=sandbox) as pool:
         first = pool.run_tests(FILES, ["isogram_test.py"])
@@ -111,6 +160,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "isolation_label": sandbox.isolation_label,
         "cold_p50_ms": _ms(cold, 0.5),
         "cold_exec_p50_ms": _ms(cold_exec, 0.5),
+        "cold_light_p50_ms": _ms(cold_light, 0.5),
+        "cold_light_cpu_ms": round(1000 * cold_light_cpu_s, 2),
         "warm_p50_ms": _ms(warm, 0.5),
         "warm_p99_ms": _ms(warm, 0.99),
         "warm_mean_ms": round(1000 * statistics.fmean(warm), 2),

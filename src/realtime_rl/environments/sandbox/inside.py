@@ -16,7 +16,7 @@ child subreaper that kills every leftover descendant when the command ends or on
 
 from __future__ import annotations
 
-import base64
+import binascii
 import ctypes
 import errno
 import json
@@ -80,7 +80,7 @@ def write_files(root: str, files: list) -> None:
         path = safe_path(root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(base64.b64decode(b64))
+            f.write(binascii.a2b_base64(b64))
 
 
 def set_rlimits(limits: dict) -> None:

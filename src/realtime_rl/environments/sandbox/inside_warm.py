@@ -22,19 +22,20 @@ from __future__ import annotations
 import fcntl
 import gc
 import importlib.util
-import inspect
 import json
-import linecache
 import os
 import select
-import shutil
 import signal
 import sys
 import time
-import traceback
-import unittest
 
 import __main__ as inside  # the bootstrap (inside.py) that loaded this source
+
+# unittest, inspect and traceback (with linecache, tokenize and re behind it) are imported where a run needs
+# them: they are half of the CPU a cold light run costs (grading starts a fresh interpreter per run), and
+# most test files need none of them. The warm-pool server imports them once, before it forks.
+FunctionType = type(lambda: None)
+CO_GENERATOR, CO_COROUTINE = 0x20, 0x80
 
 PRELOAD = ("collections", "dataclasses", "datetime", "decimal", "enum", "fractions", "functools", "heapq",
            "itertools", "math", "operator", "random", "re", "string", "typing")
@@ -46,6 +47,28 @@ CLASS_HOOKS = ("setUpClass", "tearDownClass", "setup_class", "teardown_class", "
 
 class Fallback(Exception):
     """The runner cannot promise pytest's answer for this test file."""
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+def skip_test() -> type:
+    """unittest.SkipTest, or an exception nothing raises while no test file has imported unittest."""
+    unittest = sys.modules.get("unittest")
+    return unittest.SkipTest if unittest is not None else _NeverRaised
+
+
+def takes_arguments(func) -> bool:
+    """Whether `func` has a parameter without a default (pytest would look for a fixture), as
+    inspect.signature says; read off the code object unless a decorator left a signature to follow."""
+    if "__wrapped__" in vars(func) or "__signature__" in vars(func):
+        import inspect
+
+        return any(p.default is p.empty for p in inspect.signature(func).parameters.values())
+    code = func.__code__
+    return (code.co_argcount > len(func.__defaults__ or ())
+            or code.co_kwonlyargcount > len(func.__kwdefaults__ or {}))
 
 
 class CaseResult:
@@ -74,9 +97,10 @@ def collect(module) -> list:
         if callable(getattr(module, name, None)):
             raise Fallback(f"module-level {name}()")
     items = []
+    unittest = sys.modules.get("unittest")  # a TestCase subclass means its module imported unittest
     for name, obj in list(vars(module).items()):
         if isinstance(obj, type):
-            if issubclass(obj, unittest.TestCase):
+            if unittest is not None and issubclass(obj, unittest.TestCase):
                 items += collect_case(obj)
             elif name.startswith("Test"):
                 raise Fallback(f"plain test class {name}")
@@ -84,17 +108,19 @@ def collect(module) -> list:
         if not (name.startswith("test") or getattr(obj, "__test__", False) is True) or not callable(obj):
             continue
         func = getattr(obj, "__func__", obj)
-        if not inspect.isfunction(func) or not getattr(func, "__test__", True):
+        if not isinstance(func, FunctionType) or not getattr(func, "__test__", True):
             continue  # pytest warns and skips non-functions
-        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+        if func.__code__.co_flags & (CO_GENERATOR | CO_COROUTINE):
             raise Fallback(f"{name} is a generator or coroutine")
-        if any(p.default is p.empty for p in inspect.signature(func).parameters.values()):
+        if takes_arguments(func):
             raise Fallback(f"{name} takes fixtures")
         items.append((name, lambda func=func: run_function(func)))
     return items
 
 
 def collect_case(cls: type) -> list:
+    import unittest
+
     if not getattr(cls, "__test__", True):
         return []
     for hook in CLASS_HOOKS:
@@ -128,7 +154,7 @@ def run_function(func) -> CaseResult:
     try:
         func()
         result.passed = True
-    except unittest.SkipTest as e:
+    except skip_test() as e:
         result.skipped = str(e)
     except KeyboardInterrupt:
         raise
@@ -139,6 +165,8 @@ def run_function(func) -> CaseResult:
 
 def format_failure(etype, value, tb) -> str:
     """The traceback without unittest's and this runner's frames, as unittest and pytest show it."""
+    import traceback
+
     frames = [(frame, line) for frame, line in traceback.walk_tb(tb)
               if not frame.f_globals.get("__unittest") and frame.f_code.co_filename != "inside_warm.py"]
     stack = "".join(traceback.StackSummary.extract(iter(frames)).format())
@@ -166,9 +194,11 @@ def run_light(test_files: list, report_fd: int, label: str = "warm runner") -> i
                 sys.modules[name] = module
                 spec.loader.exec_module(module)
                 modules.append(module)
-            except unittest.SkipTest:
+            except skip_test():
                 raise Fallback(f"{rel} skips at import") from None
             except Exception:
+                import traceback
+
                 counts["errors"] += 1
                 print(f"{'_' * 20} ERROR collecting {rel} {'_' * 20}\n{traceback.format_exc()}")
         if "pytest" in sys.modules:
@@ -202,6 +232,8 @@ def run_light(test_files: list, report_fd: int, label: str = "warm runner") -> i
 
 
 def clear_dir(path: str) -> None:
+    import shutil
+
     def unlock(func, p, _):
         os.chmod(os.path.dirname(p), 0o700)
         os.chmod(p, 0o700)
@@ -258,6 +290,8 @@ def child_main(rundir: str, req_r: int, out_w: int, err_w: int, rep_w: int) -> N
         os.chdir(rundir)
         code = run_light(req["test_files"], 3)
     except BaseException:
+        import traceback
+
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -315,8 +349,11 @@ def run_one(req: dict, child: Child, workdir: str, scratch: list, own_pidns: boo
 
 
 def serve(header: dict) -> None:
-    for name in PRELOAD:
+    for name in (*PRELOAD, "inspect", "shutil", "traceback", "unittest"):
         __import__(name)
+    import linecache
+    import unittest
+
     linecache.getlines(unittest.case.__file__)  # tracebacks of failed assertions read it: read it once
     own_pidns = header["own_pid_namespace"]
     inside.prctl(inside.PR_SET_DUMPABLE, 0)
