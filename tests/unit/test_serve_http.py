@@ -1,7 +1,7 @@
 """The gateway at the HTTP edge: a client that leaves before its answer aborts the generation and nothing is
 recorded; a body over max_request_bytes is a 413 before it is parsed; a model id may hold "/"; what OpenAI
 and vLLM clients send back (null fields of their answers) is accepted; the streamer decodes linearly; one
-timeout covers rendering and generating."""
+timeout covers rendering and generating; parallel_tool_calls false ends a reply at its first call."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import asyncio
 import json
 import time
 
-from tests.unit.test_serve_api import AUTH, M, chat, gateway
+from tests.unit.test_serve_api import (
+    AUTH, M, TOOL_TEXT, WEATHER, chat, gateway, sse_events, two_gram_model,
+)
 
 
 def test_a_client_that_leaves_before_its_answer_aborts_it_and_nothing_is_recorded(tmp_path, tokenizer):
@@ -149,3 +151,31 @@ def test_rendering_and_generating_share_the_request_timeout(tmp_path, tokenizer,
         answer = client.post("/v1/chat/completions", json=chat(max_tokens=12))
         assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout"
         assert store.count_completions() == 1  # the warm-up's
+
+
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(tmp_path, tokenizer, monkeypatch):
+    """The model would write on after its call; with parallel_tool_calls false the reply ends at the call's
+    closing token, plain and streamed, and the record holds exactly what the client got."""
+    text = f"Let me check.\n\n{TOOL_TEXT}\n\nDone."
+    model = two_gram_model(tokenizer, text)
+    with gateway(tmp_path, tokenizer, model=model, max_seq_len=512) as (client, store, _):
+        body = chat("Weather in Paris?", tools=[WEATHER], temperature=0, max_tokens=100)
+        single = {**body, "parallel_tool_calls": False}
+        plain = client.post("/v1/chat/completions", json=single).json()
+        streamed = client.post("/v1/chat/completions", json={**single, "stream": True})
+        first = json.loads(sse_events(streamed.text)[0])
+        for completion_id in (plain["id"], first["id"]):
+            crec = store.get_completion(completion_id).choices[0]
+            assert crec.text == f"Let me check.\n\n{TOOL_TEXT}" and crec.finish_reason == "tool_calls"
+            assert crec.token_ids[-1] == tokenizer.encode("</tool_call>")[0]
+            assert crec.content == "Let me check."
+        calls = plain["choices"][0]["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["get_weather"]
+        unset = client.post("/v1/chat/completions", json=body).json()
+        assert store.get_completion(unset["id"]).choices[0].text == text  # true or unset: it writes on
+
+        encode = tokenizer.encode  # a tokenizer without a single closing token cannot end there: a clear 400
+        monkeypatch.setattr(tokenizer, "encode",
+                            lambda s, *a, **k: [5, 6] if s == "</tool_call>" else encode(s, *a, **k))
+        r = client.post("/v1/chat/completions", json=single)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls"

@@ -5,7 +5,9 @@
     record = build_record(output, prepared, choice_records, info, stream)
 
 The prompt is `tokenizer.encode(render_messages(messages, tools, add_generation_prompt=True))`, with the
-tools left out when tool_choice is "none". Generation stops at the tokenizer's stop tokens. A prompt
+tools left out when tool_choice is "none". Generation stops at the tokenizer's stop tokens, and with
+parallel_tool_calls false (tools offered) at the end of the first tool call, so what is recorded is what
+the client got (vLLM generates on and drops the calls after the first). A prompt
 that leaves no room in the context, or an explicit max_tokens that does not fit beside it, is a 400;
 without max_tokens the default is cut to the room left.
 
@@ -29,6 +31,7 @@ from fastapi.concurrency import run_in_threadpool
 from realtime_rl.collect import ChoiceRecord, CompletionRecord, EventStore
 from realtime_rl.engine import EngineOverloaded, RequestOutput, SampleOutput, SamplingParams
 from realtime_rl.model import Tokenizer, parse_assistant, render_messages
+from realtime_rl.model.chat import TOOL_CALL_CLOSE
 from realtime_rl.serve.errors import ApiError
 from realtime_rl.serve.metrics import GatewayMetrics
 from realtime_rl.serve.schemas import (
@@ -70,6 +73,9 @@ def prepare(body: ChatCompletionCreate, tokenizer: Tokenizer, max_seq_len: int, 
         raise ApiError(400, f"{name}={requested} does not fit: the context holds {max_seq_len} tokens and the "
                             f"prompt takes {len(prompt_ids)}, leaving {room}", param=name,
                        code="context_length_exceeded")
+    stop_ids = list(tokenizer.stop_token_ids)
+    if tools and body.parallel_tool_calls is False:
+        stop_ids.append(_tool_call_close_id(tokenizer))
     n = body.n or 1
     if n > max_batch:
         raise ApiError(400, f"n={n} exceeds the engine's batch of {max_batch}", param="n", code="invalid_value")
@@ -78,12 +84,22 @@ def prepare(body: ChatCompletionCreate, tokenizer: Tokenizer, max_seq_len: int, 
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,  # the engine always keeps the top token
             max_tokens=requested or min(default_max_tokens, room),
-            n=n, seed=body.seed, stop=body.stops, stop_token_ids=tokenizer.stop_token_ids,
+            n=n, seed=body.seed, stop=body.stops, stop_token_ids=stop_ids,
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
         )
     except ValueError as e:
         raise ApiError(400, str(e), code="invalid_value") from None
     return Prepared(body, tools, prompt_ids, params)
+
+
+def _tool_call_close_id(tokenizer: Tokenizer) -> int:
+    """The token that ends a tool call, where the tokenizer has one (Qwen's and ours do)."""
+    ids = tokenizer.encode(TOOL_CALL_CLOSE)
+    if len(ids) != 1:
+        raise ApiError(400, f"parallel_tool_calls=false ends a reply at its first {TOOL_CALL_CLOSE}, which this "
+                            f"model's tokenizer splits into {len(ids)} tokens; leave parallel_tool_calls unset",
+                       param="parallel_tool_calls", code="unsupported_value")
+    return ids[0]
 
 
 @contextmanager

@@ -153,7 +153,8 @@ class ChatCompletionCreate(ApiModel):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     """auto (default): tools are offered; none: the prompt is rendered without them."""
     parallel_tool_calls: bool | None = None
-    """Accepted for compatibility; the model may always emit several calls."""
+    """false (with tools offered): the reply ends with its first tool call. true or unset: as many as the
+    model writes."""
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=16)
