@@ -483,11 +483,17 @@ def test_the_gateway_follows_a_weight_store_and_rejects_a_corrupt_delta(tmp_path
         assert client.post("/v1/chat/completions", json=chat(max_tokens=4)).status_code == 200
 
         state["lm_head.weight"][1, :5] += 1.0
+        commit = store.commit
+
+        def rot_then_commit(staging, version):  # bit rot in transit, before the version is visible (else a
+            blob = staging / store.blob_path(version, "delta").name  # fast poll could take the good bytes)
+            data = bytearray(blob.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            blob.write_bytes(bytes(data))
+            commit(staging, version)
+
+        store.commit = rot_then_commit
         publisher.publish(state, 3)
-        blob = store.blob_path(3, "delta")
-        data = bytearray(blob.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        blob.write_bytes(bytes(data))  # bit rot in transit
         time.sleep(0.5)
         assert engine.version == 2  # rejected by checksum; version 2 keeps serving
         assert client.post("/v1/chat/completions", json=chat(max_tokens=4)).status_code == 200
