@@ -171,14 +171,16 @@ class TrajectoryLog:
         if not recorded:
             self._record(TRAINED_FILE, [{"group_id": g[0].group_id, "version": version,
                                          "episode_ids": [e.episode_id for e in g]} for g in groups])
-        for group in groups:
-            (self.root / f"{group[0].group_id}.npz").unlink(missing_ok=True)
+        self._forget(groups)
 
     def drop(self, groups: list[list[Episode]], version: int) -> None:
         """Record groups dropped for staleness (dropped.jsonl), then forget them."""
         self._record(DROPPED_FILE, [{"group_id": g[0].group_id, "version": version,
                                      "staleness": group_staleness(g, version),
                                      "episode_ids": [e.episode_id for e in g]} for g in groups])
+        self._forget(groups)
+
+    def _forget(self, groups: list[list[Episode]]) -> None:
         for group in groups:
             (self.root / f"{group[0].group_id}.npz").unlink(missing_ok=True)
 
