@@ -374,6 +374,8 @@ def test_episode_bytes_and_log_roundtrip(tmp_path):
     with open(tmp_path / "log" / "dropped.jsonl", "a") as f:
         f.write('{"group_id": "g9", "episode_ids": ["g9-')  # a trainer killed mid-append
     assert log.dropped_ids() == {e.episode_id for e in groups[1]}
+    log.drop([_group("g8", 0)], version=6)  # the next append cuts the torn line off instead of running into it
+    assert log.dropped_ids() == {e.episode_id for e in groups[1]} | {"g8-0"}
 
 
 def _group(gid: str, version: int) -> list[Episode]:

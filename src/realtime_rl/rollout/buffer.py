@@ -194,11 +194,18 @@ class TrajectoryLog:
         return {i for ids in self._records(DROPPED_FILE, "episode_ids") for i in ids}
 
     def _record(self, name: str, records: list[dict]) -> None:
-        """Append one JSON line per record to root/name, fsync'd."""
+        """Append one JSON line per record to root/name, fsync'd. An unterminated last line (an append a
+        kill cut short: not a record) is cut off first, so that it does not run into the next record."""
         if not records:
             return
-        with open(self.root / name, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
+        with open(self.root / name, "ab+") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(end - 1)
+                if f.read(1) != b"\n":
+                    f.seek(0)
+                    f.truncate(f.read().rfind(b"\n") + 1)
+            f.write("".join(json.dumps(r) + "\n" for r in records).encode())
             f.flush()
             os.fsync(f.fileno())
 
