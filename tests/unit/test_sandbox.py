@@ -73,10 +73,13 @@ def test_runs_as_unprivileged_user_with_clean_environment(sandbox):
     os.environ["RTRL_HOST_ONLY"] = "host-secret"
     try:
         result = sandbox.run(["python3", "-c", "import os; print(os.getuid(), dict(os.environ))"], {})
+        ids = sandbox.run(["python3", "-c", "import os; print(os.getuid(), os.getgid(), os.getgroups())"], {})
     finally:
         del os.environ["RTRL_HOST_ONLY"]
     assert result.ok and int(result.stdout.split()[0]) != 0
     assert "host-secret" not in result.stdout
+    if os.geteuid() == 0:  # a root host drops to nobody:nogroup and all supplementary groups (launch.SETPRIV)
+        assert ids.stdout.split(maxsplit=2) == ["65534", "65534", "[]\n"]
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../x.py", "a/../../x.py", "", ".", "a\0b", "a\\b"])

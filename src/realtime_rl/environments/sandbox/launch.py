@@ -33,6 +33,10 @@ PYTHON = "/usr/bin/python3"
 WORKSPACE = "/workspace"
 INSIDE_SOURCE = (Path(__file__).parent / "inside.py").read_text()
 GATE = ["/bin/sh", "-c", 'read -r _ && exec "$@"', "sh"]
+SETPRIV = next((p for p in ("/usr/bin/setpriv", "/bin/setpriv") if os.access(p, os.X_OK)), None)
+"""util-linux's setpriv: a root host drops to the sandbox uid through it, after exec, instead of through
+Popen(user=...). Popen must fork() to change uid (it vforks otherwise), and fork copies the page tables of
+the whole parent: 20 ms and 10 ms of CPU per run from a 600 MB rollout worker (0.8 ms with vfork)."""
 INNER_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
              "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
@@ -173,7 +177,11 @@ class SandboxProcess:
             header = {"workdir": workdir, "seccomp": probe.seccomp, "deny_network": not self.full,
                       "reaper": not self.full, "limits": limits(config), **header}
             argv = [*(GATE if self.cgroup else []), *argv, PYTHON, "-I", "-c", INSIDE_SOURCE]
-            user = dict(user=uid, group=gid, extra_groups=[]) if os.geteuid() == 0 else {}
+            user: dict = {}
+            if os.geteuid() == 0 and SETPRIV:
+                argv = [SETPRIV, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
+            elif os.geteuid() == 0:
+                user = dict(user=uid, group=gid, extra_groups=[])
             pipe = subprocess.PIPE
             self.proc = subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=pipe, pass_fds=fds, env=env,
                                          cwd=cwd, start_new_session=True, **user)
