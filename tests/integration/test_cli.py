@@ -78,3 +78,15 @@ def test_bench_mismatch_meets_the_replay_target_on_cpu_fp32(tmp_path):
     assert m["dtype"] == "float32" and m["tokens"] > 0
     assert m["k3_kl_replay"] <= 1e-6 and m["routing_disagreement_replay"] == 0.0
     assert m["max_abs_logprob_diff_replay"] < 1e-4
+
+
+@pytest.mark.slow
+def test_bench_sandbox_quick_writes_json(tmp_path):
+    out = tmp_path / "sandbox.json"
+    proc = run("bench", "sandbox", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(out.read_text())["metrics"]
+    assert m["escapes_contained"] == m["escapes_total"] > 0 and not m["escapes_not_contained"]
+    timings = ("cold_p50_ms", "cold_exec_p50_ms", "cold_light_p50_ms", "cold_exec_big_parent_p50_ms",
+               "warm_p50_ms")
+    assert all(m[k] > 0 for k in timings) and m["runs_per_s"] > 0
