@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from realtime_rl.bench.vs_trl import (
-    FULL, FirstTurnReward, first_turn_prompt, minutes_to_target, monotone, per_step, ratio_of, snapshot_steps,
-    task_at,
+    FULL, FirstTurnReward, crossings, first_turn_prompt, minutes_to_target, monotone, per_step,
+    ratio_intervals, ratio_of, snapshot_steps, task_at,
 )
 from realtime_rl.environments import WarmPool, run_episode
 from realtime_rl.environments.policies import ScriptedPolicy
@@ -71,6 +72,33 @@ def test_ratio_is_trls_minutes_over_ours_and_a_lower_bound_when_trl_never_gets_t
     assert ratio_of(2.0, None, 12.0) == (6.0, True)  # TRL's whole budget stands in
     assert ratio_of(None, 8.0, 12.0) == (None, False)
     assert ratio_of(0.0, 0.0, 12.0) == (None, False)  # the base already is at the target
+
+
+def _outcomes(rate: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    passed = np.zeros(n, dtype=bool)
+    passed[rng.choice(n, round(rate * n), replace=False)] = True
+    return passed
+
+
+def test_ratio_intervals_bootstrap_the_evaluation_tasks_around_the_crossings():
+    rng = np.random.default_rng(1)
+    base = _outcomes(0.40, 500, rng)
+    ours = [(m, _outcomes(r, 500, rng)) for m, r in ((1.0, 0.44), (2.0, 0.47), (4.0, 0.52), (8.0, 0.56))]
+    trl = [(m, _outcomes(r, 500, rng)) for m, r in ((2.0, 0.42), (4.0, 0.44), (8.0, 0.47), (16.0, 0.53))]
+    point = crossings({side: [(0.0, 0.40)] + [(m, p.mean()) for m, p in snaps]
+                       for side, snaps in (("ours", ours), ("trl", trl))}, 0.50, 20.0)
+    assert point["ratio"] == pytest.approx(12.0 / 3.2)
+    ci = ratio_intervals(base, {"ours": ours, "trl": trl}, 0.10, 20.0, resamples=400)
+    low, high = ci["ratio_ci95"]
+    assert low < point["ratio"] < high and high - low > 0.5  # 500 tasks: minutes of slack at either crossing
+    assert ci["ratio_monotone_ci95"][0] <= ci["ratio_monotone_ci95"][1]
+    assert ratio_intervals(base, {"ours": ours, "trl": trl}, 0.10, 20.0, resamples=400) == ci  # seeded
+    # where ours never gets there in a resample the ratio counts as 0; TRL's budget stands in for TRL
+    flat = [(m, base.copy()) for m, _ in ours]
+    assert ratio_intervals(base, {"ours": flat, "trl": trl}, 0.10, 20.0, resamples=50)["ratio_ci95"] == [0, 0]
+    never = ratio_intervals(base, {"ours": ours, "trl": [(m, base.copy()) for m, _ in trl]}, 0.10, 20.0,
+                            resamples=200)["ratio_ci95"]
+    assert 20.0 / 8.0 <= never[0] < never[1] <= 20.0 / 1.0  # TRL's budget over ours' crossing, within 1-8 min
 
 
 def test_task_ranges_are_checked_before_anything_runs():

@@ -21,7 +21,8 @@ by one harness (our engine, the first turn, T = 1) on the same EVAL_TASKS fresh 
 base's pass@1 + TARGET_GAIN; `*_minutes_to_target` interpolates linearly between the snapshots on either
 side of it; `ratio` = TRL's / ours (a lower bound, flagged, when TRL does not reach it in the budget).
 `*_monotone` are the same read off each curve's isotonic fit (`monotone`), so that one snapshot's noise at
-the target does not decide the crossing.
+the target does not decide the crossing. `ratio_ci95` and `ratio_monotone_ci95` bootstrap both over the
+evaluation's tasks (`ratio_intervals`); `eval_passed` keeps every evaluation's per-task outcomes.
 Each step's pass rate on its new tasks is reported too (an on-policy estimate, but 4 tasks per step make
 it noisy).
 
@@ -72,6 +73,8 @@ LR = 1e-4
 BUDGET_MINUTES = 20.0
 """12 until 2026-11-25: TRL had not reached the target in it on 2 cores (the ratio was a lower bound)."""
 TARGET_GAIN = 0.10
+RESAMPLES = 2000
+"""Bootstrap resamples of the evaluation's tasks behind `ratio_ci95`."""
 SNAPSHOT_FRACTIONS = (1 / 24, 2 / 24, 3 / 24, 4 / 24, 6 / 24, 8 / 24, 12 / 24, 18 / 24, 1.0)
 """Where each run is snapshotted, as fractions of the budget (0.8, 1.7, 2.5, 3.3, 5, 6.7, 10, 15 and 20
 minutes of 20): dense early, where ours crosses base + 10 points (both sides did before the quarter mark on
@@ -204,6 +207,30 @@ def crossings(curves: dict[str, list[tuple[float, float]]], target: float, trl_b
     ratio, lower_bound = ratio_of(ours, trl, trl_budget)
     return {f"ours_minutes_to_target{suffix}": ours, f"trl_minutes_to_target{suffix}": trl,
             f"ratio{suffix}": ratio, f"ratio{suffix}_is_lower_bound": lower_bound}
+
+
+def ratio_intervals(base: np.ndarray, snapshots: dict[str, list[tuple[float, np.ndarray]]], gain: float,
+                    trl_budget: float, resamples: int = RESAMPLES, seed: int = 0) -> dict[str, list[float]]:
+    """95% percentile intervals of `ratio` and `ratio_monotone` over the evaluation's tasks. `base` and each
+    side's snapshots are per-task outcomes (1 passed) on the same tasks in the same order; a resample draws
+    the tasks with replacement, the same draw for the base (and so the target) and every snapshot, and reads
+    both crossings off the resampled curves. It covers which tasks the evaluation drew, not the training runs'
+    own randomness (a replicate shows that). A resample in which ours never reaches the target counts as 0,
+    one in which only TRL never does as its lower bound: either pushes the interval down, never up."""
+    draws = np.random.default_rng(seed).integers(0, len(base), size=(resamples, len(base)))
+    base_b = base[draws].mean(axis=1)
+    sides = {side: ([m for m, _ in snaps], np.stack([passed[draws].mean(axis=1) for _, passed in snaps]))
+             for side, snaps in snapshots.items()}
+    ratios: dict[str, list[float]] = {"ratio_ci95": [], "ratio_monotone_ci95": []}
+    for b in range(resamples):
+        curves = {side: [(0.0, float(base_b[b]))] + [(m, float(p)) for m, p in zip(minutes, rates[:, b])]
+                  for side, (minutes, rates) in sides.items()}
+        for key, fit in (("ratio_ci95", lambda c: c), ("ratio_monotone_ci95", monotone)):
+            target = float(base_b[b]) + gain
+            ratio, _ = ratio_of(minutes_to_target(fit(curves["ours"]), target),
+                                minutes_to_target(fit(curves["trl"]), target), trl_budget)
+            ratios[key].append(ratio or 0.0)
+    return {key: [float(q) for q in np.percentile(values, [2.5, 97.5])] for key, values in ratios.items()}
 
 
 def marks(budget: float) -> list[float]:
@@ -368,7 +395,8 @@ def pass_at_1(checkpoint: str | Path, num_tasks: int, agent: AgentConfig) -> dic
 
     r = heldout_pass_at_1(checkpoint, num_tasks=num_tasks, max_difficulty=1, split="train", start=EVAL_START,
                           agent=agent)
-    return {"pass_at_1": r["pass_at_1"], "ci95": list(r["ci95"]), "malformed": r["malformed_tool_calls"]}
+    return {"pass_at_1": r["pass_at_1"], "ci95": list(r["ci95"]), "malformed": r["malformed_tool_calls"],
+            "passed": np.array([bool(t["passed"]) for t in r["per_task"]])}
 
 
 def check_task_ranges(steps: int, tasks_per_step: int, eval_tasks: int) -> None:
@@ -418,9 +446,17 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     curves = {side: [(0.0, base_eval["pass_at_1"])] + [(m, e["pass_at_1"]) for m, e in evals[side]]
               for side in evals}
     fits = {side: monotone(curve) for side, curve in curves.items()}
+    outcomes = {side: [(m, e["passed"]) for m, e in evals[side]] for side in evals}
+
+    def bits(passed: np.ndarray) -> str:
+        return "".join("1" if x else "0" for x in passed)
+
     return {
         **crossings(curves, target, trl["minutes"]),
         **crossings(fits, target, trl["minutes"], "_monotone"),
+        **ratio_intervals(base_eval["passed"], outcomes, gain, trl["minutes"]),
+        "eval_passed": {"base": bits(base_eval["passed"]),
+                        **{side: [[m, bits(p)] for m, p in snaps] for side, snaps in outcomes.items()}},
         "target_pass_at_1": target,
         "base_pass_at_1": base_eval["pass_at_1"],
         "budget_minutes": budget,
