@@ -15,6 +15,14 @@ def run(*args, timeout=300):
     return subprocess.run([*RTRL, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def bench_quick(name, tmp_path):
+    """`rtrl bench NAME --quick --json PATH`'s JSON, the command having succeeded."""
+    out = tmp_path / f"{name}.json"
+    proc = run("bench", name, "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_demo_runs_the_real_time_loop_end_to_end(tmp_path):
     """`rtrl demo` at smoke size: a base model, the gateway, simulated users, two cycles of the loop."""
@@ -38,10 +46,7 @@ def test_demo_runs_the_real_time_loop_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_bench_parity_writes_json(tmp_path):
     pytest.importorskip("transformers", reason="transformers is a dev dependency")
-    out = tmp_path / "parity.json"
-    proc = run("bench", "parity", "--json", str(out), "--quick")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
+    result = bench_quick("parity", tmp_path)
     assert result["name"] == "parity" and "torch" in result["env"]
     m = result["metrics"]
     assert m["dense_max_abs_diff"] <= 1e-4 and m["moe_max_abs_diff"] <= 1e-4
@@ -71,10 +76,7 @@ def test_unknown_benchmark_is_refused():
 
 @pytest.mark.slow
 def test_bench_mismatch_meets_the_replay_target_on_cpu_fp32(tmp_path):
-    out = tmp_path / "mismatch.json"
-    proc = run("bench", "mismatch", "--quick", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    m = json.loads(out.read_text())["metrics"]
+    m = bench_quick("mismatch", tmp_path)["metrics"]
     assert m["dtype"] == "float32" and m["tokens"] > 0
     assert m["k3_kl_replay"] <= 1e-6 and m["routing_disagreement_replay"] == 0.0
     assert m["max_abs_logprob_diff_replay"] < 1e-4
@@ -82,10 +84,7 @@ def test_bench_mismatch_meets_the_replay_target_on_cpu_fp32(tmp_path):
 
 @pytest.mark.slow
 def test_bench_sandbox_quick_writes_json(tmp_path):
-    out = tmp_path / "sandbox.json"
-    proc = run("bench", "sandbox", "--quick", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    m = json.loads(out.read_text())["metrics"]
+    m = bench_quick("sandbox", tmp_path)["metrics"]
     assert m["escapes_contained"] == m["escapes_total"] > 0 and not m["escapes_not_contained"]
     timings = ("cold_p50_ms", "cold_exec_p50_ms", "cold_light_p50_ms", "cold_exec_big_parent_p50_ms",
                "warm_p50_ms")
