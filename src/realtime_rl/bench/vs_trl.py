@@ -80,8 +80,11 @@ SNAPSHOT_FRACTIONS = (1 / 24, 2 / 24, 3 / 24, 4 / 24, 6 / 24, 8 / 24, 12 / 24, 1
 minutes of 20): dense early, where ours crosses base + 10 points (both sides did before the quarter mark on
 2026-11-24, which left the crossing times to interpolation between the base and that one snapshot)."""
 MIN_STEP_S = 2.0
-"""No step of either trainer is faster on 2 cores (ours took 7-10 s, TRL's 10-26 s): the step cap (tasks
-prepared) is budget / this, so that neither side runs out of tasks before the budget ends."""
+"""The step cap (tasks prepared) is budget / this, so that neither side runs out of tasks before the budget
+ends while its steps take longer. Ours' took 2.27 s on 2 cores on 2026-11-25 (528 of the cap's 600 in 20
+minutes), TRL's 8.5 s. The fresh tasks bound it: 600 steps of 4 are tasks 4000..6399, up to the evaluation's.
+A side that reaches the cap stops there (its curve ends at its last step, early), so a faster ours needs
+a smaller TASK_START (a base trained on fewer tasks) or more tasks per step, not a smaller MIN_STEP_S."""
 
 
 @dataclass(frozen=True)
