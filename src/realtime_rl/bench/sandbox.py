@@ -106,6 +106,13 @@ def _timed(fn, n: int) -> list[float]:
     return out
 
 
+def _timed_with_cpu(fn, n: int) -> tuple[list[float], float]:
+    """_timed, and the machine's CPU seconds per run over them (_machine_cpu_s)."""
+    before = _machine_cpu_s()
+    samples = _timed(fn, n)
+    return samples, (_machine_cpu_s() - before) / n
+
+
 def _machine_cpu_s() -> float:
     """User + system CPU seconds the whole machine has spent since boot (/proc/stat's first line)."""
     with open("/proc/stat") as f:
@@ -114,16 +121,6 @@ def _machine_cpu_s() -> float:
 
 
 BALLAST_MB = 512
-
-
-def _with_ballast(fn):
-    """fn() while this process holds BALLAST_MB of memory it has written to (every page mapped)."""
-    ballast = bytearray(BALLAST_MB << 20)
-    ballast[::4096] = b"\1" * (len(ballast) // 4096)  # a whole number of pages
-    try:
-        return fn()
-    finally:
-        del ballast
 
 
 def _check(report) -> None:
@@ -142,16 +139,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     _check(light := sandbox.run_tests(FUNCTION_FILES, ["isogram_test.py"], runner="light"))
     if light.fallback_reason:
         raise RuntimeError(f"the light runner fell back to pytest: {light.fallback_reason}")
-    cpu_before = _machine_cpu_s()
-    cold_light = _timed(lambda: sandbox.run_tests(FUNCTION_FILES, ["isogram_test.py"], runner="light"),
-                        n_cold)
-    cold_light_cpu_s = (_machine_cpu_s() - cpu_before) / n_cold
-
-    def big_parent() -> tuple[list[float], float]:
-        before = _machine_cpu_s()
-        return _timed(lambda: sandbox.run(["true"], {}), n_cold), (_machine_cpu_s() - before) / n_cold
-
-    cold_exec_big, cold_exec_big_cpu_s = _with_ballast(big_parent)
+    cold_light, cold_light_cpu_s = _timed_with_cpu(
+        lambda: sandbox.run_tests(FUNCTION_FILES, ["isogram_test.py"], runner="light"), n_cold)
+    ballast = bytearray(BALLAST_MB << 20)  # memory this process has written to (every page mapped)
+    ballast[::4096] = b"\1" * (len(ballast) // 4096)
+    cold_exec_big, cold_exec_big_cpu_s = _timed_with_cpu(lambda: sandbox.run(["true"], {}), n_cold)
+    del ballast
 
     with WarmPool(sandbox=sandbox) as pool:
         first = pool.run_tests(FILES, ["isogram_test.py"])

@@ -228,8 +228,8 @@ def ratio_intervals(base: np.ndarray, snapshots: dict[str, list[tuple[float, np.
     for b in range(resamples):
         curves = {side: [(0.0, float(base_b[b]))] + [(m, float(p)) for m, p in zip(minutes, rates[:, b])]
                   for side, (minutes, rates) in sides.items()}
+        target = float(base_b[b]) + gain
         for key, fit in (("ratio_ci95", lambda c: c), ("ratio_monotone_ci95", monotone)):
-            target = float(base_b[b]) + gain
             ratio, _ = ratio_of(minutes_to_target(fit(curves["ours"]), target),
                                 minutes_to_target(fit(curves["trl"]), target), trl_budget)
             ratios[key].append(ratio or 0.0)
@@ -394,12 +394,13 @@ def run_trl(base: Path, out_dir: Path, setup: Setup, steps: int, budget: float, 
 # ------------------------------------------------------------------------------------------- run
 
 def pass_at_1(checkpoint: str | Path, num_tasks: int, agent: AgentConfig) -> dict[str, Any]:
+    from realtime_rl.bench.learn import passed_bits
     from realtime_rl.train.base_eval import heldout_pass_at_1
 
     r = heldout_pass_at_1(checkpoint, num_tasks=num_tasks, max_difficulty=1, split="train", start=EVAL_START,
                           agent=agent)
     return {"pass_at_1": r["pass_at_1"], "ci95": list(r["ci95"]), "malformed": r["malformed_tool_calls"],
-            "passed": np.array([bool(t["passed"]) for t in r["per_task"]])}
+            "passed": passed_bits(r)}
 
 
 def check_task_ranges(steps: int, tasks_per_step: int, eval_tasks: int) -> None:
@@ -449,17 +450,18 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     curves = {side: [(0.0, base_eval["pass_at_1"])] + [(m, e["pass_at_1"]) for m, e in evals[side]]
               for side in evals}
     fits = {side: monotone(curve) for side, curve in curves.items()}
-    outcomes = {side: [(m, e["passed"]) for m, e in evals[side]] for side in evals}
+    outcomes = {side: [[m, e["passed"]] for m, e in evals[side]] for side in evals}
 
-    def bits(passed: np.ndarray) -> str:
-        return "".join("1" if x else "0" for x in passed)
+    def passed(bits: str) -> np.ndarray:
+        return np.frombuffer(bits.encode(), dtype=np.uint8) == ord("1")
 
     return {
         **crossings(curves, target, trl["minutes"]),
         **crossings(fits, target, trl["minutes"], "_monotone"),
-        **ratio_intervals(base_eval["passed"], outcomes, gain, trl["minutes"]),
-        "eval_passed": {"base": bits(base_eval["passed"]),
-                        **{side: [[m, bits(p)] for m, p in snaps] for side, snaps in outcomes.items()}},
+        **ratio_intervals(passed(base_eval["passed"]),
+                          {side: [(m, passed(bits)) for m, bits in runs] for side, runs in outcomes.items()},
+                          gain, trl["minutes"]),
+        "eval_passed": {"base": base_eval["passed"], **outcomes},
         "target_pass_at_1": target,
         "base_pass_at_1": base_eval["pass_at_1"],
         "budget_minutes": budget,
