@@ -232,3 +232,27 @@ def test_prefix_attention_is_one_softmax_over_prefix_and_own_keys(monkeypatch, s
                                                else t.detach().bfloat16() for t in leaves))
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), want[0], atol=3e-2, rtol=3e-2)
+
+
+def test_sample_rows_draws_from_each_rows_distribution():
+    from scipy import stats
+
+    from realtime_rl.model.sampling import sample_rows
+
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0])
+    rows = 20_000
+    logprobs = probs.log().expand(rows, -1).contiguous()
+    gen = torch.Generator().manual_seed(0)
+    tokens = sample_rows(logprobs, [False] * rows, [gen] * rows)
+    counts = torch.bincount(torch.tensor(tokens), minlength=6)
+    assert counts[4:].sum() == 0  # probability 0 is never drawn
+    assert stats.chisquare(counts[:4].numpy(), probs[:4].numpy() * rows).pvalue > 1e-3
+
+    # Greedy rows take the argmax; a point mass is drawn whatever the uniform; a row's draw depends only on
+    # its own generator.
+    mixed = torch.tensor([[-1.0, -0.2, -3.0], [0.0, float("-inf"), float("-inf")], [-2.0, -0.5, -1.5]])
+    seeded = [torch.Generator().manual_seed(7) for _ in range(3)]
+    assert sample_rows(mixed, [True, False, False], seeded)[:2] == [1, 0]
+    alone = sample_rows(mixed[2:], [False], [torch.Generator().manual_seed(7)])
+    fresh = [torch.Generator().manual_seed(7) for _ in range(3)]
+    assert alone == sample_rows(mixed, [True, False, False], fresh)[2:]

@@ -54,8 +54,8 @@ def _engine(model: Qwen3ForCausalLM, batch: int, max_seq_len: int, capture: bool
     return engine, time.perf_counter() - t0
 
 
-def _ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+def _ours(engine: Engine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0) -> float:
+    params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -189,13 +189,17 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics["eager_speedup_vs_hf"] = metrics[f"eager_speedup_vs_hf_b{b}"]
     # Capture cost (eager, where it is largest relative to the step): interleave runs with and without
     # capture so drift hits both alike.
+    # And the cost of sampling at T = 1 (each row's own seeded draw) against greedy rows, on the eager engine.
     no_capture, _ = _engine(model, b, max_seq_len, capture=False)
-    with_capture, without = [], []
+    with_capture, without, sampled = [], [], []
     for _ in range(repeats):
         without.append(_ours(no_capture, all_prompts, new_tokens))
         with_capture.append(_ours(eager, all_prompts, new_tokens))
+        sampled.append(_ours(eager, all_prompts, new_tokens, temperature=1.0))
     metrics["tokens_per_s_no_capture"] = statistics.median(without)
     metrics["capture_overhead"] = 1.0 - statistics.median(with_capture) / statistics.median(without)
+    metrics["sampled_tokens_per_s"] = statistics.median(sampled)
+    metrics["sampling_cost"] = 1.0 - statistics.median(sampled) / statistics.median(with_capture)
     metrics["swap_pause_ms"] = swap_pause_ms(model, batch=b, new_tokens=new_tokens)
     metrics |= scattered_decode_ms(model, repeats=2 if quick else 5)
     metrics["scattered_window_speedup"] = metrics["scattered_gather_ms"] / metrics["scattered_window_ms"]
