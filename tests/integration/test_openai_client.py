@@ -112,6 +112,50 @@ def test_streaming_matches_the_record(server, tokenizer):
     assert chunks[-1].usage.completion_tokens == len(rec.choices[0].token_ids)
 
 
+def test_text_completions_continue_a_raw_prompt_and_are_recorded(server, tokenizer):
+    url, store = server
+    api = client(url)
+    prompt = "def add(a, b):\n    return"
+    resp = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, n=2, seed=3, logprobs=2,
+                                  user="ada")
+    assert resp.id.startswith("cmpl-") and resp.object == "text_completion"
+    assert resp.system_fingerprint == "rtrl-v0"
+    rec = store.get_completion(resp.id)
+    assert_fully_recorded(rec, tokenizer)
+    assert rec.prompt_token_ids == tokenizer.encode(prompt) and rec.user == "ada"  # no chat template
+    assert json.loads(rec.request_json)["prompt"] == prompt
+    for choice, crec in zip(resp.choices, rec.choices):
+        assert choice.text == crec.text == crec.content and choice.finish_reason == crec.finish_reason
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
+        assert lp.token_logprobs == pytest.approx(crec.raw_logprobs[:len(lp.tokens)])
+        assert all(tok in top and len(top) <= 3 for tok, top in zip(lp.tokens, lp.top_logprobs))
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert resp.usage.prompt_tokens == len(rec.prompt_token_ids)
+
+    # Token ids and echo; the stream is what the record holds, after the echoed prompt.
+    ids = tokenizer.encode(prompt)
+    chunks = list(api.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=10, stream=True,
+                                         stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    rec = store.get_completion(chunks[0].id)
+    assert rec.stream and rec.prompt_token_ids == ids and text == tokenizer.decode(ids) + rec.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        rec.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(rec.choices[0].token_ids)
+    assert all(c.object == "text_completion" and c.system_fingerprint == "rtrl-v0" for c in chunks)
+
+    # What is not supported is a 400 naming it, and nothing is recorded.
+    before = store.count_completions()
+    for bad, word in [(dict(prompt=["a", "b"]), "one prompt"), (dict(prompt="x", suffix="y"), "suffix"),
+                      (dict(prompt="x", echo=True, logprobs=1), "echo"), (dict(prompt=""), "empty"),
+                      (dict(prompt="x", max_tokens=10_000), "does not fit"),
+                      (dict(prompt=[1, 10**6], echo=True), "token ids")]:
+        with pytest.raises(openai.BadRequestError, match=word):
+            api.completions.create(model=MODEL, **bad)
+    assert store.count_completions() == before
+
+
 def test_tool_calls_and_tool_results_round_trip(tool_server, tokenizer):
     url, store = tool_server
     api = client(url)

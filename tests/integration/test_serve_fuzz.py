@@ -49,11 +49,12 @@ def check_answer(status: int, body: bytes, store: SqliteEventStore, stream: bool
     if status >= 400:
         error = json.loads(body)["error"]
         assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-    elif not stream and body.startswith(b'{"id":"chatcmpl-'):
+    elif not stream and body.startswith((b'{"id":"chatcmpl-', b'{"id":"cmpl-')):
         assert store.get_completion(json.loads(body)["id"]) is not None
 
 
-OPERATIONS = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/{model}"),
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+              ("GET", "/v1/models/{model}"),
               ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/feedback"),
               ("GET", "/v1/admin/traffic"), ("PUT", "/v1/admin/traffic")]
 
@@ -127,6 +128,28 @@ def test_near_valid_chat_bodies_never_get_a_server_error(gateway, body):
     # json.dumps writes NaN and Infinity literals, which Python's JSON parser (and so FastAPI) accepts
     r = client.post("/v1/chat/completions", content=json.dumps(body),
                     headers={"X-Session-Id": "fuzz", "content-type": "application/json"})
+    check_answer(r.status_code, r.content, store, stream=bool(body.get("stream")))
+    if r.status_code == 200 and body.get("stream"):
+        assert r.text.endswith("data: [DONE]\n\n")
+
+
+token_ids = st.lists(st.integers(-5, 5000) | st.integers(-(2**70), 2**70), max_size=6)
+text_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, MODEL, "other"]),
+     "prompt": text | token_ids | st.lists(text, max_size=2) | st.lists(token_ids, max_size=2) | json_values},
+    optional={"temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "n": st.integers(-1, 6),
+              "max_tokens": st.integers(-2, 24) | st.none(), "stop": text | st.lists(text, max_size=5),
+              "stream": st.booleans(), "echo": st.booleans(), "logprobs": st.integers(-1, 25) | st.none(),
+              "best_of": st.integers(0, 4), "suffix": text | st.none(), "logit_bias": json_values,
+              "seed": st.integers(-(2**64), 2**64), "user": st.text(max_size=10),
+              "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values})
+
+
+@given(body=text_bodies)
+@FUZZ
+def test_near_valid_text_completion_bodies_never_get_a_server_error(gateway, body):
+    _, client, store = gateway
+    r = client.post("/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
     check_answer(r.status_code, r.content, store, stream=bool(body.get("stream")))
     if r.status_code == 200 and body.get("stream"):
         assert r.text.endswith("data: [DONE]\n\n")

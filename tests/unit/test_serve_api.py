@@ -10,6 +10,7 @@ keeps random weights, so routing is captured as for any model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -26,6 +27,7 @@ from realtime_rl.config import ApiKey, ModelConfig, ServeConfig
 from realtime_rl.engine import AsyncEngine, Engine
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, render_messages
 from realtime_rl.serve import create_app
+from realtime_rl.serve.schemas import ChatCompletionCreate
 from tests.conftest import tiny_config
 
 MODEL = "rtrl-policy"
@@ -214,6 +216,30 @@ def test_streaming_sends_what_it_records_and_ends_with_done(api):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == rec.completion_tokens
 
 
+def test_a_streams_fingerprint_is_its_first_tokens_version_when_weights_swap_under_it(api, monkeypatch):
+    client, store, engine = api
+    real_stream = AsyncEngine.stream
+
+    async def swap_after_the_first_token(self, *args, **kwargs):
+        events = real_stream(self, *args, **kwargs)
+        first = await anext(events)
+        self.update_weights(dict(self.engine.model.named_parameters()), version=9)
+        for _ in range(500):  # the engine applies it between decode steps (sampling goes on: 40 tokens)
+            if self.engine.version == 9:
+                break
+            await asyncio.sleep(0.01)
+        yield first
+        async for event in events:
+            yield event
+
+    monkeypatch.setattr(AsyncEngine, "stream", swap_after_the_first_token)
+    r = client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=40, temperature=0))
+    chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+    rec = store.get_completion(chunks[0]["id"])
+    assert engine.version == 9 and rec.model_version == 0 and 9 in rec.choices[0].versions  # a swap mid-reply
+    assert {c["system_fingerprint"] for c in chunks} == {"rtrl-v0"}  # the record's version, not the engine's
+
+
 @pytest.fixture
 def tool_api(tmp_path, tokenizer):
     with gateway(tmp_path, tokenizer, model=two_gram_model(tokenizer)) as g:
@@ -321,6 +347,8 @@ BAD = [
     (req(metadata={"session_id": "s" * 257}), "metadata"),  # longer than feedback's gen_ai.conversation.id
     (req(messages=[*M, {"role": "assistant", "content": "hi", "refusal": "no"}, *M]), "messages[1].refusal"),
     ({"messages": M}, "model"),
+    (req(response_format={"type": "json_object"}), None),  # no constrained decoding
+    (req(response_format={"type": "xml"}), "response_format.type"),
 ]
 
 
@@ -333,6 +361,11 @@ def test_bad_input_is_a_400_that_names_the_field(api, body, param):
     assert error["type"] == "invalid_request_error" and error["message"]
     assert param is None or error["param"] == param
     assert store.count_completions() == 0
+
+
+def test_response_format_text_is_the_default_it_names():
+    ok = req(response_format={"type": "text"})
+    assert ChatCompletionCreate.model_validate(ok).response_format.type == "text"
 
 
 def test_malformed_bodies_unknown_models_and_routes(api):
@@ -425,7 +458,7 @@ def test_a_bug_mid_stream_ends_it_with_an_error_event_and_is_logged(api, monkeyp
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(streaming, "build_choice", broken)
+    monkeypatch.setattr(streaming.ChatChunks, "build_choice", staticmethod(broken))
     r = client.post("/v1/chat/completions", json=chat(stream=True))
     events = sse_events(r.text)
     assert r.status_code == 200 and "[DONE]" not in events

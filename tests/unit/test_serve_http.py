@@ -6,6 +6,7 @@ timeout covers rendering and generating; parallel_tool_calls false ends a reply 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -147,7 +148,7 @@ def test_rendering_and_generating_share_the_request_timeout(tmp_path, tokenizer,
             return step()
 
         engine.engine.step = slow_step  # 12 tokens: ~1.4 s, within a whole timeout, past what is left
-        monkeypatch.setattr(chat_route, "prepare", slow_prepare)
+        monkeypatch.setattr(chat_route, "CHAT", dataclasses.replace(chat_route.CHAT, prepare=slow_prepare))
         answer = client.post("/v1/chat/completions", json=chat(max_tokens=12))
         assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout"
         assert store.count_completions() == 1  # the warm-up's

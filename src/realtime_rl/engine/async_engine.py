@@ -35,11 +35,13 @@ class EngineOverloaded(RuntimeError):
 
 @dataclass
 class TokenEvent:
-    """A streamed event: a new token of sample `index`, or (token None) the finished request."""
+    """A streamed event: a new token of sample `index` and the policy version that sampled it, or (token None)
+    the finished request."""
 
     index: int
     token: int | None
     output: RequestOutput | None = None
+    version: int | None = None
 
 
 class AsyncEngine:
@@ -129,7 +131,9 @@ class AsyncEngine:
 
         def on_update(_rid: str, index: int, token: int | None, output: RequestOutput | None) -> None:
             if not loop.is_closed():  # a caller gone with its loop: nobody to tell (the engine aborts it)
-                loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(index, token, output))
+                # On the engine's thread, which applies swaps between steps: its version sampled the token.
+                event = TokenEvent(index, token, output, self.engine.version if token is not None else None)
+                loop.call_soon_threadsafe(queue.put_nowait, event)
 
         rid = self._submit(prompt_ids, params, on_update)
         deadline = loop.time() + timeout_s

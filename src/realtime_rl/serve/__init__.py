@@ -6,11 +6,11 @@
     serve_in_thread(settings) -> base URL              # a context manager: the gateway on a thread
     serve_in_process(settings, log_path) -> base URL   # ... in a child process (python -m realtime_rl.serve)
 
-Routes: POST /v1/chat/completions (JSON or SSE), POST /v1/feedback (one event or a batch; docs/feedback.md),
-GET /v1/models[/{model}], GET and PUT /v1/admin/traffic, GET /health, GET /metrics. Keys:
-`Authorization: Bearer <key>` from settings.api_keys; completions and models need the "inference" scope,
-feedback the "feedback" scope, /v1/admin the "admin" scope; /health and /metrics need no key. Errors have
-the OpenAI shape.
+Routes: POST /v1/chat/completions and POST /v1/completions (JSON or SSE), POST /v1/feedback (one event
+or a batch; docs/feedback.md), GET /v1/models[/{model}], GET and PUT /v1/admin/traffic, GET /health,
+GET /metrics. Keys: `Authorization: Bearer <key>` from settings.api_keys; completions and models need the
+"inference" scope, feedback the "feedback" scope, /v1/admin the "admin" scope; /health and /metrics need
+no key. Errors have the OpenAI shape.
 
 Two arms (arms.py): the champion engine and, once it exists, a candidate (passed in, or built when
 settings.candidate_weights first has a version). Users are split between them by a stable hash
@@ -18,7 +18,8 @@ settings.candidate_weights first has a version). Users are split between them by
 and its policy version in `system_fingerprint`, and every record carries its arm.
 
 Not here yet: forcing a tool call (tool_choice "required" or a named function answers 400), logit_bias
-and penalties (400).
+and penalties, JSON response formats (no constrained decoding), text completions' `suffix` and batched
+prompts (all 400).
 """
 
 from realtime_rl.serve.app import create_app

@@ -37,7 +37,7 @@ from realtime_rl.serve.arms import Arms, Traffic, build_candidate, load_traffic
 from realtime_rl.serve.deps import ServeState
 from realtime_rl.serve.errors import BodyLimitMiddleware, install_error_handlers
 from realtime_rl.serve.metrics import GatewayMetrics, MetricsMiddleware
-from realtime_rl.serve.routes import admin, chat, feedback, health, models
+from realtime_rl.serve.routes import admin, chat, completions, feedback, health, models
 
 log = logging.getLogger(__name__)
 TRAFFIC_FILE = "traffic.json"
@@ -154,6 +154,7 @@ def create_app(settings: ServeConfig, engine: AsyncEngine | None = None, store: 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # the outer one: it counts the 413s too
     app.include_router(chat.router)
+    app.include_router(completions.router)
     app.include_router(feedback.router)
     app.include_router(models.router)
     app.include_router(admin.router)

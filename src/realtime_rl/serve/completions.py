@@ -2,6 +2,8 @@
 
     prepared = prepare(body, tokenizer, max_seq_len, max_batch, default_max_tokens)   # may raise ApiError(400)
     public, record = build_choice(sample, prepared, tokenizer, completion_id)      # for each sample
+    prepared = prepare_text(body, tokenizer, max_seq_len, max_batch)               # /v1/completions
+    public, record = build_text_choice(sample, prepared, tokenizer, completion_id)
     record = build_record(output, prepared, choice_records, info, stream)
 
 The prompt is `tokenizer.encode(render_messages(messages, tools, add_generation_prompt=True))`, with the
@@ -14,6 +16,10 @@ without max_tokens the default is cut to the room left.
 A choice whose text holds tool calls that all parse (against the offered tools) is answered in the
 OpenAI `tool_calls` shape with finish_reason "tool_calls"; if any call is malformed, or no tools were
 offered, the whole text is answered as content, and the record keeps the parser's errors.
+
+/v1/completions continues a raw prompt (its text encoded as it is, or token ids): no chat template, no
+tool-call parsing; generation stops at the same stop tokens. Its record is a completion like any other
+(request_json holds `prompt` where a chat's holds `messages`), so feedback can name it.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ from realtime_rl.model.chat import TOOL_CALL_CLOSE
 from realtime_rl.serve.errors import ApiError
 from realtime_rl.serve.metrics import GatewayMetrics
 from realtime_rl.serve.schemas import (
-    AssistantMessagePublic, ChatCompletionCreate, ChoiceLogprobsPublic, ChoicePublic, TokenLogprobPublic,
-    TopLogprobPublic, UsagePublic,
+    AssistantMessagePublic, ChatCompletionCreate, ChoiceLogprobsPublic, ChoicePublic, CompletionChoicePublic,
+    CompletionCreate, CompletionLogprobsPublic, TokenLogprobPublic, TopLogprobPublic, UsagePublic,
 )
-from realtime_rl.types import ToolCall
+from realtime_rl.types import ToolCall, ToolCallError
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 30.0
@@ -48,11 +54,13 @@ ARM_HEADER = "X-Rtrl-Arm"
 
 @dataclass
 class Prepared:
-    body: ChatCompletionCreate
+    body: ChatCompletionCreate | CompletionCreate
     tools: list[dict[str, Any]] | None
     """The tools offered to the model (None when none were given or tool_choice is "none")."""
     prompt_ids: list[int]
     params: SamplingParams
+    echo: str = ""
+    """A text completion's prompt text, answered before each choice's text (`echo`)."""
 
 
 def prepare(body: ChatCompletionCreate, tokenizer: Tokenizer, max_seq_len: int, max_batch: int,
@@ -62,34 +70,62 @@ def prepare(body: ChatCompletionCreate, tokenizer: Tokenizer, max_seq_len: int, 
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     messages = [m.to_chat() for m in body.messages]
     prompt_ids = tokenizer.encode(render_messages(messages, tools, add_generation_prompt=True))
-    room = max_seq_len - len(prompt_ids)
-    if room < 1:
-        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds {max_seq_len} "
-                            "(prompt and completion together). Shorten the messages.",
-                       param="messages", code="context_length_exceeded")
-    requested = body.max_completion_tokens or body.max_tokens
-    if requested is not None and requested > room:
-        name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        raise ApiError(400, f"{name}={requested} does not fit: the context holds {max_seq_len} tokens and the "
-                            f"prompt takes {len(prompt_ids)}, leaving {room}", param=name,
-                       code="context_length_exceeded")
     stop_ids = list(tokenizer.stop_token_ids)
     if tools and body.parallel_tool_calls is False:
         stop_ids.append(_tool_call_close_id(tokenizer))
+    name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    params = _params(body, prompt_ids, "messages", name, body.max_completion_tokens or body.max_tokens,
+                     default_max_tokens, stop_ids, (body.top_logprobs or 0) if body.logprobs else 0,
+                     max_seq_len, max_batch)
+    return Prepared(body, tools, prompt_ids, params)
+
+
+TEXT_DEFAULT_MAX_TOKENS = 16
+"""/v1/completions without max_tokens: OpenAI's default for that API (and vLLM's)."""
+
+
+def prepare_text(body: CompletionCreate, tokenizer: Tokenizer, max_seq_len: int, max_batch: int,
+                 default_max_tokens: int = TEXT_DEFAULT_MAX_TOKENS) -> Prepared:
+    """A raw prompt: its text encoded as it is, or its token ids (the engine checks their range)."""
+    prompt = body.prompt
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not prompt_ids:
+        raise ApiError(400, "the prompt encodes to no tokens", param="prompt", code="invalid_value")
+    if max(prompt_ids) >= tokenizer.vocab_size:
+        raise ApiError(400, f"prompt token ids must be in 0..{tokenizer.vocab_size - 1}", param="prompt",
+                       code="invalid_value")
+    params = _params(body, prompt_ids, "prompt", "max_tokens", body.max_tokens, default_max_tokens,
+                     list(tokenizer.stop_token_ids), body.logprobs or 0, max_seq_len, max_batch)
+    echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)) if body.echo else ""
+    return Prepared(body, None, prompt_ids, params, echo=echo)
+
+
+def _params(body: ChatCompletionCreate | CompletionCreate, prompt_ids: list[int], prompt_field: str,
+            name: str, requested: int | None, default_max_tokens: int, stop_ids: list[int], top_logprobs: int,
+            max_seq_len: int, max_batch: int) -> SamplingParams:
+    """The engine's parameters. A prompt that leaves no room in the context, or an explicit max_tokens
+    (`name`) that does not fit beside it, is a 400; the default is cut to the room left."""
+    room = max_seq_len - len(prompt_ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds {max_seq_len} "
+                            f"(prompt and completion together). Shorten the {prompt_field}.",
+                       param=prompt_field, code="context_length_exceeded")
+    if requested is not None and requested > room:
+        raise ApiError(400, f"{name}={requested} does not fit: the context holds {max_seq_len} tokens and the "
+                            f"prompt takes {len(prompt_ids)}, leaving {room}", param=name,
+                       code="context_length_exceeded")
     n = body.n or 1
     if n > max_batch:
         raise ApiError(400, f"n={n} exceeds the engine's batch of {max_batch}", param="n", code="invalid_value")
     try:  # the schema already bounds every field; this keeps any disagreement a 400
-        params = SamplingParams(
+        return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,  # the engine always keeps the top token
             max_tokens=requested or min(default_max_tokens, room),
-            n=n, seed=body.seed, stop=body.stops, stop_token_ids=stop_ids,
-            top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+            n=n, seed=body.seed, stop=body.stops, stop_token_ids=stop_ids, top_logprobs=top_logprobs,
         )
     except ValueError as e:
         raise ApiError(400, str(e), code="invalid_value") from None
-    return Prepared(body, tools, prompt_ids, params)
 
 
 def _tool_call_close_id(tokenizer: Tokenizer) -> int:
@@ -163,12 +199,44 @@ def build_choice(sample: SampleOutput, prepared: Prepared, tokenizer: Tokenizer,
         finish = _finish_reason(sample)
     logprobs = _logprobs(sample, tokenizer) if prepared.body.logprobs else None
     public = ChoicePublic(index=sample.index, message=message, logprobs=logprobs, finish_reason=finish)
-    record = ChoiceRecord(
+    return public, _choice_record(sample, finish, text, message.content, calls, parsed.errors)
+
+
+def _choice_record(sample: SampleOutput, finish: str, text: str, content: str | None,
+                   calls: list[ToolCall] | None = None, errors: list[ToolCallError] | None = None
+                   ) -> ChoiceRecord:
+    return ChoiceRecord(
         index=sample.index, token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
-        raw_logprobs=list(sample.raw_logprobs), versions=list(sample.versions), finish_reason=finish, text=text,
-        content=message.content, tool_calls=calls, tool_call_errors=parsed.errors, routing=sample.routing,
+        raw_logprobs=list(sample.raw_logprobs), versions=list(sample.versions), finish_reason=finish,
+        text=text, content=content, tool_calls=calls or [], tool_call_errors=errors or [],
+        routing=sample.routing,
     )
-    return public, record
+
+
+def build_text_choice(sample: SampleOutput, prepared: Prepared, tokenizer: Tokenizer,
+                      completion_id: str) -> tuple[CompletionChoicePublic, ChoiceRecord]:
+    """A /v1/completions choice: the text as generated (no tool-call parsing), after the echoed prompt."""
+    text = sample.text or ""
+    finish = _finish_reason(sample)
+    logprobs = None
+    if prepared.body.logprobs is not None:
+        logprobs = _text_logprobs(_logprobs(sample, tokenizer).content or [], len(prepared.echo))
+    public = CompletionChoicePublic(index=sample.index, text=prepared.echo + text, logprobs=logprobs,
+                                    finish_reason=finish)
+    return public, _choice_record(sample, finish, text, text)
+
+
+def _text_logprobs(content: list[TokenLogprobPublic], offset: int) -> CompletionLogprobsPublic:
+    """The legacy shape: parallel lists, each token's alternatives as {text: logprob} with the sampled token
+    among them, and each token's character offset in the answered text (after `offset` echoed characters)."""
+    offsets = []
+    for c in content:
+        offsets.append(offset)
+        offset += len(c.token)
+    return CompletionLogprobsPublic(
+        tokens=[c.token for c in content], token_logprobs=[c.logprob for c in content],
+        top_logprobs=[{**{t.token: t.logprob for t in c.top_logprobs}, c.token: c.logprob} for c in content],
+        text_offset=offsets)
 
 
 @dataclass
@@ -185,11 +253,16 @@ class RequestInfo:
     """The traffic arm serving the request."""
 
 
+def oldest_version(output: RequestOutput) -> int:
+    """The policy version of a completion: its oldest token's (weights can swap between decode steps)."""
+    return min(min(s.versions) for s in output.samples)
+
+
 def build_record(output: RequestOutput, prepared: Prepared, choices: list[ChoiceRecord], info: RequestInfo,
                  stream: bool) -> CompletionRecord:
     return CompletionRecord(
         completion_id=info.completion_id, created_at=info.created_at, model_name=info.model_name,
-        model_version=min(min(s.versions) for s in output.samples), prompt_token_ids=list(output.prompt_ids),
+        model_version=oldest_version(output), prompt_token_ids=list(output.prompt_ids),
         choices=choices, request_json=prepared.body.model_dump_json(exclude_none=True), user=info.user,
         session_id=info.session_id, api_key_name=info.api_key_name, latency_s=time.time() - info.created_at,
         queued_s=output.queued_s, first_token_s=output.first_token_s, stream=stream, arm=info.arm,

@@ -144,23 +144,14 @@ class StreamOptions(ApiModel):
     include_usage: bool | None = None
 
 
-class ChatCompletionCreate(ApiModel):
-    """POST /v1/chat/completions. Optional fields may be null (meaning the default)."""
+class _GenerationCreate(ApiModel):
+    """What chat and text completion requests share. Optional fields may be null (meaning the default)."""
 
     model: str = Field(min_length=1, max_length=256)
-    messages: list[MessageCreate] = Field(min_length=1, max_length=4096)
-    tools: list[ToolDefinition] | None = Field(None, max_length=128)
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    """auto (default): tools are offered; none: the prompt is rendered without them."""
-    parallel_tool_calls: bool | None = None
-    """false (with tools offered): the reply ends with its first tool call. true or unset: as many as the
-    model writes."""
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=16)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    """Preferred over max_tokens when both are given."""
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool | None = None
@@ -169,8 +160,6 @@ class ChatCompletionCreate(ApiModel):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         None, max_length=16)
     """metadata["session_id"] names the session when no X-Session-Id header does."""
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
 
@@ -192,17 +181,9 @@ class ChatCompletionCreate(ApiModel):
         return v
 
     @model_validator(mode="after")
-    def _check(self) -> ChatCompletionCreate:
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise ValueError('tool_choice "required" and forcing a named function are not supported; '
-                             'use "auto" or "none"')
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ValueError("tools must have distinct function names")
+    def _check_generation(self) -> _GenerationCreate:
         if self.frequency_penalty or self.presence_penalty:
             raise ValueError("frequency_penalty and presence_penalty are not supported (only 0)")
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
         return self
@@ -210,6 +191,85 @@ class ChatCompletionCreate(ApiModel):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ResponseFormat(ApiModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionCreate(_GenerationCreate):
+    """POST /v1/chat/completions."""
+
+    messages: list[MessageCreate] = Field(min_length=1, max_length=4096)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    """auto (default): tools are offered; none: the prompt is rendered without them."""
+    parallel_tool_calls: bool | None = None
+    """false (with tools offered): the reply ends with its first tool call. true or unset: as many as the
+    model writes."""
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """Preferred over max_tokens when both are given."""
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    """{"type": "text"} (the default) only: JSON modes need constrained decoding, which the engine lacks."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionCreate:
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise ValueError('tool_choice "required" and forcing a named function are not supported; '
+                             'use "auto" or "none"')
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f'response_format "{self.response_format.type}" is not supported (no '
+                             'constrained decoding); only "text"')
+        return self
+
+
+class CompletionCreate(_GenerationCreate):
+    """POST /v1/completions: a raw prompt continued as it is (no chat template). One prompt per request: a
+    string or token ids (a list of one of either is read as that one)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
+    """16 when unset (OpenAI's default for this API), cut to the room the context leaves."""
+    logprobs: int | None = Field(None, ge=0, le=20)
+    """Each token's logprob and up to this many alternatives (the sampled token added when not among them)."""
+    echo: bool | None = None
+    """Answer the prompt's text before the completion's."""
+    best_of: int | None = Field(None, ge=1, le=16)
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"one prompt per request (got a batch of {len(v)}); send one request each")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
+        if isinstance(v, list) and min(v) < 0:
+            raise ValueError("prompt token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionCreate:
+        if self.suffix:
+            raise ValueError("suffix (fill in the middle) is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of must equal n (ranking extra samples is not supported)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -262,6 +322,33 @@ class ChatCompletionPublic(ApiModel):
     """"rtrl-v{model_version}": the policy version that served the request."""
     choices: list[ChoicePublic]
     usage: UsagePublic
+
+
+class CompletionLogprobsPublic(ApiModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoicePublic(ApiModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobsPublic | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    """None only in a stream's chunks before the choice's last."""
+
+
+class TextCompletionPublic(ApiModel):
+    """POST /v1/completions' answer, and (with `usage` None until the last) each chunk of its stream."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoicePublic]
+    usage: UsagePublic | None = None
 
 
 class FunctionDeltaPublic(ApiModel):

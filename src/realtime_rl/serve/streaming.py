@@ -1,4 +1,6 @@
-"""Server-sent events in the OpenAI chunk format: `data: {chunk}` lines, then `data: [DONE]`.
+"""Server-sent events in the OpenAI chunk format: `data: {chunk}` lines, then `data: [DONE]`. Chat
+completions stream `chat.completion.chunk` objects (ChatChunks), text completions `text_completion` ones
+(TextChunks); every chunk's `system_fingerprint` is the version of the reply's first token, the record's.
 
 The engine request is submitted before the response starts, so overload (503) and refused prompts
 (400) are still plain HTTP errors. Then: a role chunk per choice, content deltas as tokens arrive, and
@@ -16,22 +18,26 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
-from realtime_rl.engine import AsyncEngine, RequestOutput, TokenEvent
+from realtime_rl.collect import ChoiceRecord
+from realtime_rl.engine import AsyncEngine, RequestOutput, SampleOutput, TokenEvent
 from realtime_rl.model import Tokenizer
 from realtime_rl.model.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from realtime_rl.serve.completions import (
-    ARM_HEADER, Prepared, RequestInfo, build_choice, build_record, engine_errors, record_completion, usage,
+    ARM_HEADER, Prepared, RequestInfo, build_choice, build_record, build_text_choice, engine_errors,
+    oldest_version, record_completion, usage,
 )
 from realtime_rl.serve.deps import ServeState
 from realtime_rl.serve.errors import ApiError
 from realtime_rl.serve.schemas import (
-    ChatCompletionChunkPublic, ChunkChoicePublic, DeltaPublic, FunctionDeltaPublic,
-    ToolCallDeltaPublic, UsagePublic,
+    ChatCompletionChunkPublic, ChoicePublic, ChunkChoicePublic, CompletionChoicePublic, DeltaPublic,
+    FunctionDeltaPublic, TextCompletionPublic, ToolCallDeltaPublic, UsagePublic,
 )
 
 log = logging.getLogger(__name__)
@@ -87,43 +93,127 @@ class TextStreamer:
         return delta
 
 
-def _sse(chunk: ChatCompletionChunkPublic | dict) -> str:
-    data = chunk.model_dump_json(exclude_none=True) if isinstance(chunk, ChatCompletionChunkPublic) else json.dumps(chunk)
+def _sse(chunk: BaseModel | dict) -> str:
+    data = chunk.model_dump_json(exclude_none=True) if isinstance(chunk, BaseModel) else json.dumps(chunk)
     return f"data: {data}\n\n"
 
 
+class Chunks:
+    """How one API shapes a stream: its opening chunks, a text delta, and a choice's closing chunks once the
+    completion is recorded (`rest`: what the recorded text adds to the deltas sent)."""
+
+    build_choice: Callable[[SampleOutput, Prepared, Tokenizer, str], tuple[Any, ChoiceRecord]]
+
+    def __init__(self, info: RequestInfo, version: int, prepared: Prepared) -> None:
+        self.info, self.fingerprint, self.prepared = info, f"rtrl-v{version}", prepared
+
+    def chunk(self, choices: list[Any], usage_: UsagePublic | None = None) -> str:
+        raise NotImplementedError
+
+    def opening(self, n: int) -> list[str]:
+        raise NotImplementedError
+
+    def delta(self, index: int, text: str) -> str:
+        raise NotImplementedError
+
+    def content(self, public: Any) -> str:
+        """The text a choice's deltas add up to."""
+        raise NotImplementedError
+
+    def closing(self, public: Any, rest: str) -> Iterator[str]:
+        raise NotImplementedError
+
+
+class ChatChunks(Chunks):
+    """/v1/chat/completions' chunks: a role chunk per choice, content deltas, then the rest of the recorded
+    content, the tool calls and a finish chunk per choice."""
+
+    build_choice = staticmethod(build_choice)
+
+    def chunk(self, choices: list[ChunkChoicePublic], usage_: UsagePublic | None = None) -> str:
+        return _sse(ChatCompletionChunkPublic(id=self.info.completion_id, created=int(self.info.created_at),
+                                              model=self.info.model_name, system_fingerprint=self.fingerprint,
+                                              choices=choices, usage=usage_))
+
+    def opening(self, n: int) -> list[str]:
+        return [self.chunk([ChunkChoicePublic(index=i, delta=DeltaPublic(role="assistant", content=""))
+                            for i in range(n)])]
+
+    def delta(self, index: int, text: str) -> str:
+        return self.chunk([ChunkChoicePublic(index=index, delta=DeltaPublic(content=text))])
+
+    def content(self, public: ChoicePublic) -> str:
+        return public.message.content or ""  # with tool calls, the text around them
+
+    def closing(self, public: ChoicePublic, rest: str) -> Iterator[str]:
+        if rest:
+            yield self.delta(public.index, rest)
+        if public.finish_reason == "tool_calls":
+            calls = [ToolCallDeltaPublic(index=j, id=c.id, type="function",
+                                         function=FunctionDeltaPublic(name=c.function.name,
+                                                                      arguments=c.function.arguments))
+                     for j, c in enumerate(public.message.tool_calls or [])]
+            yield self.chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(tool_calls=calls))])
+        yield self.chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(), logprobs=public.logprobs,
+                                            finish_reason=public.finish_reason)])
+
+
+class TextChunks(Chunks):
+    """/v1/completions' chunks: the echoed prompt first (with `echo`), text deltas, then one chunk per
+    choice with the rest of its text, its logprobs and its finish reason."""
+
+    build_choice = staticmethod(build_text_choice)
+
+    def chunk(self, choices: list[CompletionChoicePublic], usage_: UsagePublic | None = None) -> str:
+        return _sse(TextCompletionPublic(id=self.info.completion_id, created=int(self.info.created_at),
+                                         model=self.info.model_name, system_fingerprint=self.fingerprint,
+                                         choices=choices, usage=usage_))
+
+    def opening(self, n: int) -> list[str]:
+        echo = self.prepared.echo
+        return [self.chunk([CompletionChoicePublic(index=i, text=echo) for i in range(n)])] if echo else []
+
+    def delta(self, index: int, text: str) -> str:
+        return self.chunk([CompletionChoicePublic(index=index, text=text)])
+
+    def content(self, public: CompletionChoicePublic) -> str:
+        return public.text.removeprefix(self.prepared.echo)
+
+    def closing(self, public: CompletionChoicePublic, rest: str) -> Iterator[str]:
+        yield self.chunk([public.model_copy(update={"text": rest})])
+
+
 async def stream_response(state: ServeState, engine: AsyncEngine, prepared: Prepared, info: RequestInfo,
-                          timeout_s: float) -> StreamingResponse:
-    """Stream from `engine` (the request's arm), within what is left of the request's time."""
+                          timeout_s: float, chunks: type[Chunks] = ChatChunks) -> StreamingResponse:
+    """Stream from `engine` (the request's arm), within what is left of the request's time, as `chunks`
+    (ChatChunks or TextChunks) shapes them."""
     events = engine.stream(prepared.prompt_ids, prepared.params, timeout_s=timeout_s)
     with engine_errors(engine.error):
         first = await anext(events)  # submits the request: overload and refusals are still HTTP errors
-    return StreamingResponse(_body(state, engine.version, prepared, info, first, events),
+    # The first token's version: the oldest of every sample's (all n start in one step), so the record's.
+    version = first.version if first.output is None else oldest_version(first.output)
+    return StreamingResponse(_body(state, chunks(info, version, prepared), first, events),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", ARM_HEADER: info.arm})
 
 
-async def _body(state: ServeState, version: int, prepared: Prepared, info: RequestInfo, first: TokenEvent,
+async def _body(state: ServeState, shape: Chunks, first: TokenEvent,
                 events: AsyncIterator[TokenEvent]) -> AsyncIterator[str]:
+    prepared, info = shape.prepared, shape.info
     n = prepared.params.n
-    created = int(info.created_at)
-
-    def chunk(choices: list[ChunkChoicePublic], usage_: UsagePublic | None = None) -> str:
-        return _sse(ChatCompletionChunkPublic(id=info.completion_id, created=created, model=info.model_name,
-                                              system_fingerprint=f"rtrl-v{version}", choices=choices, usage=usage_))
-
-    streamers = [TextStreamer(state.tokenizer, prepared.params.stop, prepared.tools is not None) for _ in range(n)]
+    hold_tool_calls = prepared.tools is not None
+    streamers = [TextStreamer(state.tokenizer, prepared.params.stop, hold_tool_calls) for _ in range(n)]
     try:
-        yield chunk([ChunkChoicePublic(index=i, delta=DeltaPublic(role="assistant", content=""))
-                     for i in range(n)])
+        for line in shape.opening(n):
+            yield line
         event = first
         while event.output is None:
             delta = streamers[event.index].push(event.token)
             if delta:
-                yield chunk([ChunkChoicePublic(index=event.index, delta=DeltaPublic(content=delta))])
+                yield shape.delta(event.index, delta)
             with engine_errors(None):  # a timeout (504) or an engine thread that died (503)
                 event = await anext(events)
-        async for line in _finish(state, prepared, info, event.output, streamers, chunk):
+        async for line in _finish(state, shape, event.output, streamers):
             yield line
     except Exception as e:  # the status line is sent (200): the client learns of it from the last event
         if isinstance(e, ApiError):
@@ -137,25 +227,18 @@ async def _body(state: ServeState, version: int, prepared: Prepared, info: Reque
         await events.aclose()  # aborts the engine request if it is still running (the client went away)
 
 
-async def _finish(state: ServeState, prepared: Prepared, info: RequestInfo, output: RequestOutput,
-                  streamers: list[TextStreamer], chunk) -> AsyncIterator[str]:
+async def _finish(state: ServeState, shape: Chunks, output: RequestOutput,
+                  streamers: list[TextStreamer]) -> AsyncIterator[str]:
+    prepared, info = shape.prepared, shape.info
     built = await run_in_threadpool(  # decoding (logprobs: every alternative) is CPU work: off the event loop
-        lambda: [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples])
+        lambda: [shape.build_choice(s, prepared, state.tokenizer, info.completion_id)
+                 for s in output.samples])
     record = build_record(output, prepared, [r for _, r in built], info, stream=True)
     await record_completion(state.store, state.metrics, record)  # acknowledged only after this
     for (public, _), streamer in zip(built, streamers):
-        rest = streamer.finish(public.message.content or "")  # with tool calls, the text around them
-        if rest:
-            yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(content=rest))])
-        if public.finish_reason == "tool_calls":
-            calls = [ToolCallDeltaPublic(index=j, id=c.id, type="function",
-                                         function=FunctionDeltaPublic(name=c.function.name,
-                                                                      arguments=c.function.arguments))
-                     for j, c in enumerate(public.message.tool_calls or [])]
-            yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(tool_calls=calls))])
-        yield chunk([ChunkChoicePublic(index=public.index, delta=DeltaPublic(), logprobs=public.logprobs,
-                                       finish_reason=public.finish_reason)])
+        for line in shape.closing(public, streamer.finish(shape.content(public))):
+            yield line
     options = prepared.body.stream_options
     if options is not None and options.include_usage:
-        yield chunk([], usage(record))
+        yield shape.chunk([], usage(record))
     yield "data: [DONE]\n\n"

@@ -1,1 +1,1 @@
-"""One router per resource: chat completions, feedback, models, health and metrics."""
+"""One router per resource: chat completions, text completions, feedback, models, health and metrics."""

@@ -10,6 +10,9 @@ completion is not recorded, as for streams (streaming.py): nobody received it.
 The arm (champion or candidate) is picked from the user, else the session (serve/arms.py); it answers
 the request, is recorded with it and named in the `X-Rtrl-Arm` header (errors after the pick too);
 `system_fingerprint` names the policy version that served ("rtrl-v12").
+
+The flow from here on (`serve_completion`) is shared with POST /v1/completions (routes/completions.py);
+an `Api` names what differs: the id prefix, preparing the prompt, the choices' and chunks' shapes.
 """
 
 from __future__ import annotations
@@ -18,24 +21,46 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from realtime_rl.config import ApiKey
 from realtime_rl.engine import AsyncEngine
 from realtime_rl.serve.completions import (
-    ARM_HEADER, RequestInfo, build_choice, build_record, engine_errors, prepare, record_completion, usage,
+    ARM_HEADER, Prepared, RequestInfo, build_record, engine_errors, prepare, record_completion, usage,
 )
 from realtime_rl.serve.deps import InferenceKey, ServeState, StateDep
 from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError
-from realtime_rl.serve.schemas import MAX_ID_LENGTH, ChatCompletionCreate, ChatCompletionPublic
-from realtime_rl.serve.streaming import stream_response
+from realtime_rl.serve.schemas import (
+    MAX_ID_LENGTH, ChatCompletionCreate, ChatCompletionPublic, CompletionCreate, TextCompletionPublic,
+)
+from realtime_rl.serve.streaming import ChatChunks, Chunks, stream_response
 
 router = APIRouter(prefix="/v1", tags=["chat"])
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Api:
+    """What /v1/chat/completions and /v1/completions (routes/completions.py) do differently; the rest of a
+    request (the model check, the arm, the deadline, recording before answering) is `serve_completion`."""
+
+    id_prefix: str
+    prepare: Callable[..., Prepared]
+    """(body, tokenizer, max_seq_len, max_batch, default_max_tokens) -> Prepared"""
+    chunks: type[Chunks]
+    """The stream's shape; its build_choice builds a plain answer's choices too."""
+    answer: type[ChatCompletionPublic] | type[TextCompletionPublic]
+    default_max_tokens: int | None = None
+    """Without max_tokens; None: the gateway's setting."""
+
+
+CHAT = Api("chatcmpl-", prepare, ChatChunks, ChatCompletionPublic)
 
 
 @router.post("/chat/completions", response_model=ChatCompletionPublic, responses=ERROR_RESPONSES)
@@ -47,9 +72,16 @@ async def create_chat_completion(
     response: Response,
     x_session_id: Annotated[str | None, Header(max_length=MAX_ID_LENGTH)] = None,
 ) -> ChatCompletionPublic | StreamingResponse:
+    return await serve_completion(CHAT, body, state, key, request, response, x_session_id)
+
+
+async def serve_completion(api: Api, body: ChatCompletionCreate | CompletionCreate, state: ServeState,
+                           key: ApiKey | None, request: Request, response: Response, x_session_id: str | None
+                           ) -> ChatCompletionPublic | TextCompletionPublic | StreamingResponse:
     info = RequestInfo(
-        completion_id=f"chatcmpl-{uuid.uuid4().hex}", created_at=time.time(), model_name=state.settings.model_name,
-        user=body.user, session_id=x_session_id or (body.metadata or {}).get("session_id"),
+        completion_id=f"{api.id_prefix}{uuid.uuid4().hex}", created_at=time.time(),
+        model_name=state.settings.model_name, user=body.user,
+        session_id=x_session_id or (body.metadata or {}).get("session_id"),
         api_key_name=key.name if key is not None else None,
     )
     if body.model != info.model_name:
@@ -57,19 +89,21 @@ async def create_chat_completion(
                        param="model", code="model_not_found")
     info.arm, engine = state.arms.pick(info.user, info.session_id)
     try:
-        return await _complete(state, engine, body, info, request, response)
+        return await _complete(api, state, engine, body, info, request, response)
     except ApiError as e:  # errors count against the arm too (overload, timeouts)
         e.headers[ARM_HEADER] = info.arm
         raise
 
 
-async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletionCreate, info: RequestInfo,
-                    request: Request, response: Response) -> ChatCompletionPublic | StreamingResponse:
+async def _complete(api: Api, state: ServeState, engine: AsyncEngine,
+                    body: ChatCompletionCreate | CompletionCreate, info: RequestInfo, request: Request,
+                    response: Response) -> ChatCompletionPublic | TextCompletionPublic | StreamingResponse:
     deadline = time.monotonic() + state.settings.request_timeout_s  # one budget for rendering and generating
+    default_max_tokens = api.default_max_tokens or state.settings.default_max_tokens
     try:  # tokenizing a long conversation is CPU work: off the event loop, and bounded
         prepared = await asyncio.wait_for(
-            run_in_threadpool(prepare, body, state.tokenizer, engine.engine.max_seq_len, engine.engine.max_batch,
-                              state.settings.default_max_tokens),
+            run_in_threadpool(api.prepare, body, state.tokenizer, engine.engine.max_seq_len,
+                              engine.engine.max_batch, default_max_tokens),
             state.settings.request_timeout_s)
     except TimeoutError:
         raise ApiError(504, "rendering the prompt took too long", code="timeout") from None
@@ -77,16 +111,17 @@ async def _complete(state: ServeState, engine: AsyncEngine, body: ChatCompletion
     if left <= 0:
         raise ApiError(504, "rendering the prompt took the request's whole time", code="timeout")
     if body.stream:
-        return await stream_response(state, engine, prepared, info, left)
+        return await stream_response(state, engine, prepared, info, left, api.chunks)
     with engine_errors(engine.error):
         output = await _unless_disconnected(request, engine.generate(prepared.prompt_ids, prepared.params,
                                                                      timeout_s=left))
     built = await run_in_threadpool(  # decoding (logprobs: every alternative) is CPU work: off the event loop
-        lambda: [build_choice(s, prepared, state.tokenizer, info.completion_id) for s in output.samples])
+        lambda: [api.chunks.build_choice(s, prepared, state.tokenizer, info.completion_id)
+                 for s in output.samples])
     record = build_record(output, prepared, [r for _, r in built], info, stream=False)
     await record_completion(state.store, state.metrics, record)
     response.headers[ARM_HEADER] = info.arm
-    return ChatCompletionPublic(
+    return api.answer(
         id=info.completion_id, created=int(info.created_at), model=info.model_name,
         system_fingerprint=f"rtrl-v{record.model_version}", choices=[p for p, _ in built], usage=usage(record),
     )
