@@ -81,10 +81,11 @@ minutes of 20): dense early, where ours crosses base + 10 points (both sides did
 2026-11-24, which left the crossing times to interpolation between the base and that one snapshot)."""
 MIN_STEP_S = 2.0
 """The step cap (tasks prepared) is budget / this, so that neither side runs out of tasks before the budget
-ends while its steps take longer. Ours' took 2.27 s on 2 cores on 2026-11-25 (528 of the cap's 600 in 20
-minutes), TRL's 8.5 s. The fresh tasks bound it: 600 steps of 4 are tasks 4000..6399, up to the evaluation's.
-A side that reaches the cap stops there (its curve ends at its last step, early), so a faster ours needs
-a smaller TASK_START (a base trained on fewer tasks) or more tasks per step, not a smaller MIN_STEP_S."""
+ends while its steps take longer. The fresh tasks bound it: 600 steps of 4 are tasks 4000..6399, up to the
+evaluation's. A side that reaches the cap stops there and its curve ends at its last step: ours, at 1.88 s a
+step on 2 cores (commit 9933c7d, 2026-11-25), reached it at 18.8 of 20 minutes (TRL: 8.0 s a step). That
+leaves its crossing (2-5 minutes) untouched; a longer budget needs a smaller TASK_START (a base trained on
+fewer tasks) or more tasks per step, not a smaller MIN_STEP_S."""
 
 
 @dataclass(frozen=True)
