@@ -61,7 +61,7 @@ def test_rl_on_rewarded_traffic_moves_the_served_policy(tmp_path, tokenizer):
         engine.update_weights(trainer.weights(), 0)
         prompt = store.get_completion(_serve(client, 1, seed=0)[0]).prompt_token_ids
         before = _first_token_mass(trainer.model, prompt, good)
-        for rnd in range(10):
+        for rnd in range(20):  # 10 rounds lifted it +0.09..+0.37 across sampling seeds, 20: +0.45..+0.52
             records = [store.get_completion(i) for i in _serve(client, 4, seed=1000 * rnd + 1, max_tokens=2, n=8)]
             rewarded = [(r, c.index, float(c.token_ids[0] % 2 == 0)) for r in records for c in r.choices]
             metrics = trainer.step(traffic_episodes(rewarded, group_id=f"round-{rnd}"))

@@ -3,11 +3,11 @@
 For each store, `rtrl serve` runs as a subprocess on 127.0.0.1 (a tiny checkpoint; the engine idles)
 and `clients` threads POST batches of `batch` events to /v1/feedback for `seconds`. Every answer is
 an acknowledgement after a durable commit (SQLite WAL with synchronous=FULL; Postgres with
-synchronous_commit=on), concurrent requests sharing one commit in the gateway's GroupCommitter. A
-share of the batches (`retry_fraction`) is sent a second time right after its acknowledgement: the
-retry of a client that lost the answer (same ids, same content), which must come back as duplicates;
-a batch that fails (5xx, a dropped connection) is re-sent until acknowledged. Then the gateway stops
-and the store is read directly:
+synchronous_commit=on), concurrent requests sharing one commit in the gateway's GroupCommitter. A share
+of the batches (`retry_fraction`: every 1/retry_fraction-th of each client's, its first included) is sent
+a second time right after its acknowledgement: the retry of a client that lost the answer (same ids, same
+content), which must come back as duplicates; a batch that fails (5xx, a dropped connection) is re-sent
+until acknowledged. Then the gateway stops and the store is read directly:
 
     events_per_s     distinct events acknowledged per second of sending (retries not counted)
     sent             distinct events sent;  requests: POSTs made, retries included
@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import signal
 import subprocess
@@ -194,9 +193,9 @@ def post_until_acked(client: httpx.Client, load: Load, ids: list[str], body: byt
         time.sleep(0.05)
 
 
-def client_loop(url: str, load: Load, name: str, batch: int, stop_at: float, retry_fraction: float,
-                seed: int) -> None:
-    rng = random.Random(seed)
+def client_loop(url: str, load: Load, name: str, batch: int, stop_at: float, retry_fraction: float) -> None:
+    # Every period-th batch, the first included, so that a short run on a loaded machine retries too.
+    period = round(1 / retry_fraction) if retry_fraction > 0 else 0
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         i = 0
@@ -208,7 +207,7 @@ def client_loop(url: str, load: Load, name: str, batch: int, stop_at: float, ret
             with load.lock:
                 load.acked.update(ids)
             load.add(acked_as_duplicates=len(answer["duplicates"]))
-            if rng.random() < retry_fraction:  # the answer was "lost": the client sends the batch again
+            if period and i % period == 0:  # the answer was "lost": the client sends the batch again
                 load.add(retried_events=len(ids))
                 again = post_until_acked(client, load, ids, body, stop_at + 120)
                 if sorted(again["duplicates"]) != sorted(ids) or again["stored"] != 0:
@@ -251,7 +250,7 @@ def measure(checkpoint: Path, run_dir: Path, store: str, clients: int, batch: in
     run = uuid.uuid4().hex[:8]
     with Gateway(checkpoint, run_dir, store) as gateway:
         threads = [threading.Thread(target=client_loop, args=(gateway.url, load, f"{run}-c{c}", batch,
-                                                              time.monotonic() + seconds, retry_fraction, c))
+                                                              time.monotonic() + seconds, retry_fraction))
                    for c in range(clients)]
         cpu0 = (process_cpu_s(gateway.proc.pid), time.process_time(), machine_busy_s())
         start = time.monotonic()
