@@ -86,7 +86,7 @@ TEXT_DEFAULT_MAX_TOKENS = 16
 
 def prepare_text(body: CompletionCreate, tokenizer: Tokenizer, max_seq_len: int, max_batch: int,
                  default_max_tokens: int = TEXT_DEFAULT_MAX_TOKENS) -> Prepared:
-    """A raw prompt: its text encoded as it is, or its token ids (the engine checks their range)."""
+    """A raw prompt: its text encoded as it is, or its token ids (outside the vocabulary: a 400)."""
     prompt = body.prompt
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not prompt_ids:

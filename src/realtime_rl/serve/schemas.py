@@ -1,9 +1,11 @@
-"""Wire types of the gateway: OpenAI chat-completions requests (`...Create`) and answers (`...Public`), the
-feedback API's events (OpenTelemetry attribute names as JSON keys), and the admin traffic split.
+"""Wire types of the gateway: OpenAI chat- and text-completions requests (`...Create`) and answers
+(`...Public`), the feedback API's events (OpenTelemetry attribute names as JSON keys), and the admin traffic
+split.
 
 Requests are validated here, so a bad field is a 400 naming it: parameter ranges, each role's required
 fields, tool definitions (JSON-schema objects the tool-call parser can use), unknown fields, and what we
-do not implement (non-zero penalties, tool_choice "required" or a named function) is refused, not ignored.
+do not implement (non-zero penalties, tool_choice "required" or a named function, JSON response formats,
+text completions' suffix and batched prompts) is refused, not ignored.
 Messages convert to `realtime_rl.types.ChatMessage`, the type the chat renderer takes.
 """
 
