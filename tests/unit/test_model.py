@@ -256,3 +256,14 @@ def test_sample_rows_draws_from_each_rows_distribution():
     alone = sample_rows(mixed[2:], [False], [torch.Generator().manual_seed(7)])
     fresh = [torch.Generator().manual_seed(7) for _ in range(3)]
     assert alone == sample_rows(mixed, [True, False, False], fresh)[2:]
+
+
+@pytest.mark.parametrize("u,token", [(0.0, 1), (0.2, 1), (0.5, 4), (1 - 2**-24, 4), (1.0, 4)])
+def test_sample_rows_never_draws_a_zero_probability_token(monkeypatch, u, token):
+    """Zeros first, between and last; u = 1.0 (which torch.rand never gives) stands for u x total rounding
+    up to the total: the guard takes the last token of nonzero probability."""
+    from realtime_rl.model.sampling import sample_rows
+
+    logprobs = torch.tensor([[0.0, 0.3, 0.0, 0.0, 0.7, 0.0]]).log()
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(u))
+    assert sample_rows(logprobs, [False], [None]) == [token]

@@ -27,6 +27,7 @@ from realtime_rl.config import ApiKey, ModelConfig, ServeConfig
 from realtime_rl.engine import AsyncEngine, Engine
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, render_messages
 from realtime_rl.serve import create_app
+from realtime_rl.serve.completions import text_offsets
 from realtime_rl.serve.schemas import ChatCompletionCreate
 from tests.conftest import tiny_config
 
@@ -238,6 +239,21 @@ def test_a_streams_fingerprint_is_its_first_tokens_version_when_weights_swap_und
     rec = store.get_completion(chunks[0]["id"])
     assert engine.version == 9 and rec.model_version == 0 and 9 in rec.choices[0].versions  # a swap mid-reply
     assert {c["system_fingerprint"] for c in chunks} == {"rtrl-v0"}  # the record's version, not the engine's
+
+
+def test_text_offsets_point_into_the_answered_text(tokenizer):
+    """Characters split over byte tokens count once, special tokens (dropped from the text) not at all."""
+    special = tokenizer.encode("<|im_start|>")
+    ids = tokenizer.encode("x = 1  # \U0001F600 ok") + special + tokenizer.encode("\u00e9!")
+    assert len(tokenizer.encode("\U0001F600")) > 1 and len(special) == 1  # the emoji spans tokens
+    text = "echo" + tokenizer.decode(ids, skip_special_tokens=True)
+    offsets = text_offsets(ids, tokenizer, start=4)
+    for i, (token, offset) in enumerate(zip(ids, offsets)):
+        assert offset == 4 + len(tokenizer.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd"))
+        piece = tokenizer.decode([token], skip_special_tokens=True)
+        if piece and "\ufffd" not in piece:
+            assert text[offset:offset + len(piece)] == piece
+    assert offsets[-1] == len(text) - 1  # "!"
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ For each store, `rtrl serve` runs as a subprocess on 127.0.0.1 (a tiny checkpoin
 and `clients` threads POST batches of `batch` events to /v1/feedback for `seconds`. Every answer is
 an acknowledgement after a durable commit (SQLite WAL with synchronous=FULL; Postgres with
 synchronous_commit=on), concurrent requests sharing one commit in the gateway's GroupCommitter. A share
-of the batches (`retry_fraction`: every 1/retry_fraction-th of each client's, its first included) is sent
-a second time right after its acknowledgement: the retry of a client that lost the answer (same ids, same
-content), which must come back as duplicates; a batch that fails (5xx, a dropped connection) is re-sent
-until acknowledged. Then the gateway stops and the store is read directly:
+of the batches (`retry_fraction` of each client's, its first included) is sent a second time right after
+its acknowledgement: the retry of a client that lost the answer (same ids, same content), which must come
+back as duplicates; a batch that fails (5xx, a dropped connection) is re-sent until acknowledged. Then the
+gateway stops and the store is read directly:
 
     events_per_s     distinct events acknowledged per second of sending (retries not counted)
     sent             distinct events sent;  requests: POSTs made, retries included
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -194,8 +195,6 @@ def post_until_acked(client: httpx.Client, load: Load, ids: list[str], body: byt
 
 
 def client_loop(url: str, load: Load, name: str, batch: int, stop_at: float, retry_fraction: float) -> None:
-    # Every period-th batch, the first included, so that a short run on a loaded machine retries too.
-    period = round(1 / retry_fraction) if retry_fraction > 0 else 0
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         i = 0
@@ -207,7 +206,9 @@ def client_loop(url: str, load: Load, name: str, batch: int, stop_at: float, ret
             with load.lock:
                 load.acked.update(ids)
             load.add(acked_as_duplicates=len(answer["duplicates"]))
-            if period and i % period == 0:  # the answer was "lost": the client sends the batch again
+            # Batch i is retried where i x fraction passes an integer: that share of batches, the first
+            # included (so that a short run on a loaded machine retries too).
+            if math.ceil((i + 1) * retry_fraction) > math.ceil(i * retry_fraction):  # the answer was "lost"
                 load.add(retried_events=len(ids))
                 again = post_until_acked(client, load, ids, body, stop_at + 120)
                 if sorted(again["duplicates"]) != sorted(ids) or again["stored"] != 0:
@@ -246,6 +247,8 @@ def _per_event_us(cpu_s: float | None, events: int) -> float | None:
 
 def measure(checkpoint: Path, run_dir: Path, store: str, clients: int, batch: int, seconds: float,
             retry_fraction: float) -> dict[str, Any]:
+    if not 0 <= retry_fraction <= 1:
+        raise ValueError(f"retry_fraction must be in [0, 1], got {retry_fraction}")
     load = Load()
     run = uuid.uuid4().hex[:8]
     with Gateway(checkpoint, run_dir, store) as gateway:

@@ -52,6 +52,11 @@ def sample_rows(logprobs_BV: torch.Tensor, greedy_B: list[bool], generators: lis
         rows_S = torch.tensor(sampled, device=dev)
         probs_SV = logprobs_BV[rows_S].exp()
         cdf_SV = probs_SV.cumsum(dim=-1)
+        if cdf_SV.device.type != "cpu":
+            # A parallel scan (CUDA) may round a probability-0 token's entry above its predecessor's: hold
+            # it at the running maximum, so that no uniform lands on it. The CPU's sequential scan keeps them
+            # equal (and a cummax would cost it ~0.3 ms a 48-row step).
+            cdf_SV = torch.where(probs_SV > 0, cdf_SV, float("-inf")).cummax(dim=-1).values
         u_S = torch.stack([torch.rand((), generator=generators[b], device=dev) for b in sampled])
         drawn_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None], right=True)[:, 0]
         # u x total can round up to the total itself: then the last token of nonzero probability.

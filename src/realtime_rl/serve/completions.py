@@ -25,6 +25,7 @@ tool-call parsing; generation stops at the same stop tokens. Its record is a com
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import time
 from collections.abc import Iterator
@@ -220,19 +221,33 @@ def build_text_choice(sample: SampleOutput, prepared: Prepared, tokenizer: Token
     finish = _finish_reason(sample)
     logprobs = None
     if prepared.body.logprobs is not None:
-        logprobs = _text_logprobs(_logprobs(sample, tokenizer).content or [], len(prepared.echo))
+        content = _logprobs(sample, tokenizer).content or []
+        offsets = text_offsets(sample.token_ids[:len(content)], tokenizer, len(prepared.echo))
+        logprobs = _text_logprobs(content, offsets)
     public = CompletionChoicePublic(index=sample.index, text=prepared.echo + text, logprobs=logprobs,
                                     finish_reason=finish)
     return public, _choice_record(sample, finish, text, text)
 
 
-def _text_logprobs(content: list[TokenLogprobPublic], offset: int) -> CompletionLogprobsPublic:
+def text_offsets(token_ids: list[int], tokenizer: Tokenizer, start: int) -> list[int]:
+    """Where each token begins in the answered text (after `start` characters of echoed prompt). The
+    tokens' bytes go through an incremental UTF-8 decoder, as the text was decoded: a token whose text is
+    whole sits where that text ends up; one that holds part of a character (or bytes that never make one)
+    sits where its character starts; a special token dropped from the text, where the text goes on."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, length = [], start
+    for token in token_ids:
+        piece = tokenizer.decode([token], skip_special_tokens=True)
+        emitted = decoder.decode(tokenizer.token_bytes(token)) if piece else ""
+        whole = piece and "\ufffd" not in piece and emitted.endswith(piece)
+        offsets.append(length + len(emitted) - len(piece) if whole else length)
+        length += len(emitted)
+    return offsets
+
+
+def _text_logprobs(content: list[TokenLogprobPublic], offsets: list[int]) -> CompletionLogprobsPublic:
     """The legacy shape: parallel lists, each token's alternatives as {text: logprob} with the sampled token
-    among them, and each token's character offset in the answered text (after `offset` echoed characters)."""
-    offsets = []
-    for c in content:
-        offsets.append(offset)
-        offset += len(c.token)
+    among them."""
     return CompletionLogprobsPublic(
         tokens=[c.token for c in content], token_logprobs=[c.logprob for c in content],
         top_logprobs=[{**{t.token: t.logprob for t in c.top_logprobs}, c.token: c.logprob} for c in content],

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator,
+)
 
 from realtime_rl.collect import MAX_ATTRIBUTES, EventType, FeedbackEvent
 from realtime_rl.types import ChatMessage, ToolCall
@@ -227,7 +229,8 @@ class ChatCompletionCreate(_GenerationCreate):
             raise ValueError("tools must have distinct function names")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.response_format is not None and self.response_format.type != "text":
+        if self.response_format is not None and (self.response_format.type != "text"
+                                                 or self.response_format.json_schema is not None):
             raise ValueError(f'response_format "{self.response_format.type}" is not supported (no '
                              'constrained decoding); only "text"')
         return self
@@ -237,7 +240,7 @@ class CompletionCreate(_GenerationCreate):
     """POST /v1/completions: a raw prompt continued as it is (no chat template). One prompt per request: a
     string or token ids (a list of one of either is read as that one)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = Field(None, ge=1)
     """16 when unset (OpenAI's default for this API), cut to the room the context leaves."""
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -190,7 +190,8 @@ async def stream_response(state: ServeState, engine: AsyncEngine, prepared: Prep
     events = engine.stream(prepared.prompt_ids, prepared.params, timeout_s=timeout_s)
     with engine_errors(engine.error):
         first = await anext(events)  # submits the request: overload and refusals are still HTTP errors
-    # The first token's version: the oldest of every sample's (all n start in one step), so the record's.
+    # The first token's version: the oldest of every sample's (all n start in one step), so the record's
+    # (unless a rollback to older weights lands mid-reply: the record then names the older version).
     version = first.version if first.output is None else oldest_version(first.output)
     return StreamingResponse(_body(state, chunks(info, version, prepared), first, events),
                              media_type="text/event-stream",
