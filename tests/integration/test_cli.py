@@ -83,6 +83,15 @@ def test_bench_mismatch_meets_the_replay_target_on_cpu_fp32(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_engine_quick_writes_json(tmp_path):
+    m = bench_quick("engine", tmp_path)["metrics"]
+    rates = ("tokens_per_s", "eager_tokens_per_s_b32", "hf_tokens_per_s", "tokens_per_s_no_capture",
+             "sampled_tokens_per_s")
+    assert all(m[k] > 0 for k in rates) and m["swap_pause_ms"] > 0 and m["grpo_shared_s"] > 0
+    assert m["sampling_cost"] < 1 and m["capture_overhead"] < 1 and m["speedup_vs_hf"] > 0
+
+
+@pytest.mark.slow
 def test_bench_sandbox_quick_writes_json(tmp_path):
     m = bench_quick("sandbox", tmp_path)["metrics"]
     assert m["escapes_contained"] == m["escapes_total"] > 0 and not m["escapes_not_contained"]
