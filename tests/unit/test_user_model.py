@@ -23,7 +23,7 @@ from realtime_rl.environments.users import (
 from realtime_rl.environments.users.model import NEUTRAL_ANSWER
 from realtime_rl.environments.users.session import gateway_client
 from realtime_rl.model.chat import render_tool_call
-from realtime_rl.serve.schemas import FeedbackEventCreate
+from realtime_rl.serve.feedback_schemas import FeedbackEventCreate
 from realtime_rl.types import FunctionCall, ToolCall
 from tests.unit.test_serve_api import KEYS, gateway
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter
 
 from realtime_rl.serve.deps import FeedbackKey, StateDep
 from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError, ErrorPublic
-from realtime_rl.serve.schemas import FeedbackAckPublic, FeedbackBatchCreate, FeedbackCreate
+from realtime_rl.serve.feedback_schemas import FeedbackAckPublic, FeedbackBatchCreate, FeedbackCreate
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["feedback"])
