@@ -25,6 +25,12 @@ def test_bench_learn_quick():
     assert len(before) == len(after) == 4 and before.count("1") == round(4 * m["base_pass_at_1"])
     assert sum(a > b for a, b in zip(after, before)) == gained and sum(a < b for a, b in zip(after, before)) == lost
     assert m["minutes"] > 0
+    assert 0.0 <= m["base_greedy_pass_at_1"] <= 1.0
+    for side in ("base", "rl"):
+        assert sum(m[f"{side}_first_write"].values()) == 4
+        assert sum(m[f"{side}_first_write_failed"].values()) == 4 - round(4 * m[f"{side}_pass_at_1"])
+        assert 0.0 <= m[f"{side}_structure_mean_pass_at_1"] <= 1.0
+    assert 1 <= m["heldout_structures"] <= 4
     assert {k: len(v) for k, v in m["train_curve_10_steps"].items()} == {
         "pass_rate": 1, "reward_mean": 1, "malformed_tool_calls": 1, "entropy": 1, "kl_ref": 1}
 

@@ -135,3 +135,11 @@ def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
     assert len({t["seed"] for t in report["per_task"]}) == 4
     again = heldout_pass_at_1(checkpoint, num_tasks=4, max_difficulty=2, agent=agent, concurrency=2)
     assert again["per_task"] == report["per_task"]
+    # What each first reply wrote, and the structures behind the tasks.
+    assert sum(report["first_write"].values()) == 4
+    assert set(report["first_write"]) <= {"reference", "novice", "other", "none"}
+    assert sum(report["first_write_failed"].values()) == 4 - report["passed"]
+    assert sum(n for _, n in report["by_structure"].values()) == 4
+    assert sum(p for p, _ in report["by_structure"].values()) == report["passed"]
+    assert report["structures"] == len(report["by_structure"]) and 0 <= report["structure_mean_pass_at_1"] <= 1
+    assert all(t["structure"] in report["by_structure"] for t in report["per_task"])

@@ -121,6 +121,22 @@ def test_first_reply_is_classified_as_the_gateway_would_serve_it(reply, action, 
     assert classify_reply(first["tool_names"], first["malformed"], first["content"]) == action
 
 
+
+def test_first_reply_records_what_it_wrote_and_only_the_first_reply(tokenizer, task, sandbox):
+    """The eval's first_write reads this: each well-formed write_file of the first reply by normalized path;
+    a malformed call, a path outside the workspace and later turns' writes are not in it."""
+    first = ("Two files.\n" + tc("write_file", path="./two_fer.py", content="def two_fer(): pass\n")
+             + tc("write_file", path="../escape.py", content="x") + "<tool_call>\n{not json\n</tool_call>"
+             + tc("write_file", path="notes.txt", content="later"))
+    policy = ScriptedPolicy(tokenizer, [first, tc("write_file", path="two_fer.py", content="second\n"), tc("submit")])
+    ep = run_episode(policy, tokenizer, task, sandbox, AgentConfig(max_turns=3)).episode
+    assert ep.metadata["first_reply"]["writes"] == {"two_fer.py": "def two_fer(): pass\n", "notes.txt": "later"}
+    assert ep.metadata["first_reply"]["malformed"] == 1
+    ep = run_episode(ScriptedPolicy(tokenizer, [tc("run_tests")]), tokenizer, task, sandbox,
+                     AgentConfig(max_turns=1)).episode
+    assert ep.metadata["first_reply"]["writes"] == {}
+
+
 class SummarizingPolicy(ScriptedPolicy):
     """Scripted replies, except that a summary request gets the summary text."""
 

@@ -17,7 +17,8 @@ from realtime_rl.environments.synthetic import structure_split
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
-    MemoryTask, build_followup_documents, build_write_documents, commented, renamed, shared_prefix_length,
+    MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution, commented, renamed,
+    shared_prefix_length,
     synthetic_tasks, tokenizer_texts, without_docstring,
 )
 from realtime_rl.train.pretrain import (
@@ -103,6 +104,25 @@ def test_solutions_carry_one_comment_per_stage_instead_of_the_docstring(tmp_path
         comments = [line.removeprefix("    # ") for line in written.splitlines() if line.startswith("    # ")]
         assert all(c in " ".join(task.instructions.split()) for c in comments)  # the instructions' own words
         assert callable(_module(written, name))
+
+
+
+def test_classify_solution_names_the_script_that_wrote_a_first_attempt(tmp_path):
+    """Every solution the corpus writes is classified as what it is; anything else is the model's own code."""
+    kinds = set()
+    for task in _tasks(tmp_path, 30):
+        assert classify_solution(task, _solution(task, True, random.Random(1))) == "reference"
+        assert classify_solution(task, _solution(task, True, random.Random(1)) + "\n\n") == "reference"
+        for k in range(8):
+            novice = _solution(task, False, random.Random(k))
+            kind = classify_solution(task, novice)
+            assert kind.startswith("novice:") and kind.removeprefix("novice:") in {
+                b["kind"] for b in task.metadata["novice_bugs"]}
+            kinds.add(kind)
+        reference = _solution(task, True, random.Random(0))
+        assert classify_solution(task, reference.replace("    return", "    return -1 +", 1)) == "other"
+        assert classify_solution(task, None) == "none"
+    assert len(kinds) == 4  # every bug kind was met and told apart
 
 
 def test_write_documents_are_the_loops_first_turn(tmp_path):

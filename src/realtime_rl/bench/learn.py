@@ -14,6 +14,12 @@ trains on (train split, indices the base's pre-training never generated; `None` 
 no pretrain.json to say which): whether RL learned at all, apart from whether that transfers.
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
+`base_greedy_pass_at_1` is the base on the same tasks at temperature 0: roughly what sharpening the base's
+own choices, without teaching it anything new, can reach. `*_first_write` counts what each held-out
+episode's first reply wrote (the reference, a novice variant, other code, nothing; `*_failed` over failed
+episodes): failures of the novice kind are what RL toward the expert removes, "other" ones are programs the
+model cannot write. `*_structure_mean_pass_at_1` averages pass@1 over the `heldout_structures` program
+structures the tasks belong to, each weighing the same (two structures fill most difficulty-1 tasks).
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model; `--set KEY=VALUE`
 changes the recipe (`rtrl bench learn --set rl.kl_coef=0`; the result records it).
 `base_passed_bits` / `rl_passed_bits` say which held-out tasks passed, in task order.
@@ -42,7 +48,7 @@ from realtime_rl.environments.synthetic import split_size
 from realtime_rl.evaluate.gate import tango_interval
 from realtime_rl.rollout import train
 from realtime_rl.train import ensure_base_model, pretrain
-from realtime_rl.train.base_eval import heldout_pass_at_1
+from realtime_rl.train.base_eval import EVAL_AGENT, heldout_pass_at_1
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 EVAL_TASKS = 600
@@ -144,11 +150,13 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         num_tasks, num_train = (4, 4) if quick else (EVAL_TASKS, TRAIN_STRUCTURE_TASKS)
         unseen = unseen_train_tasks(base, num_train, difficulty)
         before = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty)
+        greedy = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty,
+                                   agent=EVAL_AGENT.model_copy(update={"temperature": 0.0}))
         before_train = heldout_pass_at_1(base, num_train, difficulty, **unseen) if unseen else None
         summary = train(config, show_progress=not quick)
         after = heldout_pass_at_1(summary["checkpoint"], num_tasks=num_tasks, max_difficulty=difficulty)
         after_train = heldout_pass_at_1(summary["checkpoint"], num_train, difficulty, **unseen) if unseen else None
-    evals = [r for r in (before, after, before_train, after_train) if r]
+    evals = [r for r in (before, greedy, after, before_train, after_train) if r]
     lift = paired_lift(before, after)
     return {
         "base_pass_at_1": before["pass_at_1"],
@@ -164,6 +172,14 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "rl_by_difficulty": after["by_difficulty"],
         "base_behaviour": behaviour(before),
         "rl_behaviour": behaviour(after),
+        "base_greedy_pass_at_1": greedy["pass_at_1"],
+        "base_first_write": before["first_write"],
+        "rl_first_write": after["first_write"],
+        "base_first_write_failed": before["first_write_failed"],
+        "rl_first_write_failed": after["first_write_failed"],
+        "heldout_structures": before["structures"],
+        "base_structure_mean_pass_at_1": before["structure_mean_pass_at_1"],
+        "rl_structure_mean_pass_at_1": after["structure_mean_pass_at_1"],
         "base_pass_at_1_train_structures": before_train["pass_at_1"] if before_train else None,
         "rl_pass_at_1_train_structures": after_train["pass_at_1"] if after_train else None,
         "lift_train_structures_ci95": paired_lift(before_train, after_train)["ci95"] if after_train else None,

@@ -17,6 +17,7 @@ reward. Not here: grading (grading.py), rewards (rewards/), batching of many epi
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -114,6 +115,22 @@ class _SegmentBuilder:
         )
 
 
+def _writes(calls: list[Any], workspace: Workspace) -> dict[str, str]:
+    """path -> content of each well-formed write_file call among `calls` (the last to a path wins): what a
+    reply wrote, for telling a first attempt's kind (train/corpus.py classify_solution)."""
+    writes = {}
+    for call in calls:
+        if call.function.name != "write_file":
+            continue
+        args = json.loads(call.function.arguments)  # the parser produced it: always a JSON object
+        if isinstance(args.get("path"), str) and isinstance(args.get("content"), str):
+            try:
+                writes[workspace.normalize(args["path"])] = args["content"]
+            except ValueError:  # a path outside the workspace: the tool refuses it, nothing was written
+                continue
+    return writes
+
+
 def task_prompt(task: Task) -> str:
     files = ", ".join([*task.solution_files, *task.test_files])
     return f"{task.instructions.strip()}\n\nFiles: {files}. The visible tests are in {', '.join(task.test_files)}."
@@ -181,7 +198,8 @@ def run_episode(
         if first_reply is None:  # what a user served this reply would have received (rewards.classify_reply)
             first_reply = {"tool_names": [call.function.name for call in parsed.tool_calls],
                            "malformed": len(parsed.errors),
-                           "content": parsed.content if parsed.tool_calls else text}
+                           "content": parsed.content if parsed.tool_calls else text,
+                           "writes": _writes(parsed.tool_calls, workspace)}
 
         # Observations in the order the calls were written; malformed calls are errors the model sees.
         results: list[tuple[int, str]] = []

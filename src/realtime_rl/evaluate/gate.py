@@ -71,6 +71,8 @@ class EpisodeOutcome:
     action: str = ""
     """What the first reply was, classified as the same reply served to a user (rewards.classify_reply):
     "edit", "question", "malformed" or "other"; "" when unknown (an outcome recorded before this field)."""
+    first_write: str | None = None
+    """What the first reply wrote to the task's (first) solution file; None when it wrote nothing there."""
 
 
 @dataclass
@@ -228,8 +230,10 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
         episode = result.episodes[0]
         reply = episode["first_reply"]
         action = classify_reply(reply["tool_names"], reply["malformed"], reply["content"]) if reply else "other"
+        solution = tasks[index[result.task_id]].solution_files[0]
         outcomes.append(EpisodeOutcome(result.task_id, task_seed(seed, index[result.task_id]), result.grades[0].passed,
                                        episode["ended_by"], episode["turns"], episode["tool_calls"],
-                                       episode["malformed_tool_calls"], episode["tokens"], action))
+                                       episode["malformed_tool_calls"], episode["tokens"], action,
+                                       (reply or {}).get("writes", {}).get(solution)))
     return outcomes
 

@@ -29,6 +29,7 @@ from typing import Any
 from realtime_rl.config import AgentConfig
 from realtime_rl.environments import Task, generate_task, load_task
 from realtime_rl.evaluate import evaluate_checkpoint
+from realtime_rl.train.corpus import classify_solution
 
 EVAL_AGENT = AgentConfig(max_turns=8, max_new_tokens=384, summary_trigger_tokens=3072, max_context_tokens=4096,
                          max_summaries=0)
@@ -68,17 +69,31 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
 
     Returns pass_at_1, passed, tasks, ci95 (Wilson), by_difficulty {d: pass_at_1}, ended_by counts, mean
     turns, malformed tool calls, failed submits (submitted and failed the tests), the wall time and
-    per_task (one EpisodeOutcome dict per task: task_id, seed, passed, ended_by, turns, ...).
+    per_task (one EpisodeOutcome dict per task: task_id, seed, passed, ended_by, turns, ..., with its
+    structure and first_write kind).
+    first_write counts what the first reply wrote to the solution file (corpus.classify_solution: the
+    reference, a novice variant, other code, none), first_write_failed the same over failed episodes: a base
+    that fails as the novice can be sharpened toward the expert; one that writes "other" code cannot write
+    the program. by_structure is {structure: [passed, tasks]} (most tasks first) and
+    structure_mean_pass_at_1 the mean of its pass rates: the split's pools hold a structure once per
+    constant choice, so a few structures with many constants fill most of the tasks (218 of the first 300
+    held-out difficulty-1 tasks are text:prefix or filter:lt, of 10 structures) and pass_at_1 leans on them.
     """
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tasks = heldout_tasks(Path(tmp), num_tasks, max_difficulty, seed, split, start)
         outcomes = evaluate_checkpoint(checkpoint, tasks, seed=seed, agent_config=agent, threads=threads,
                                        concurrency=concurrency, top_p=top_p)
+        by_id = {t.task_id: t for t in tasks}
+        first_write = [classify_solution(by_id[o.task_id], o.first_write) for o in outcomes]
     difficulty = {t.task_id: t.metadata["difficulty"] for t in tasks}
     by_difficulty: dict[int, list[bool]] = {}
+    by_structure: dict[str, list[int]] = {}
     for o in outcomes:
         by_difficulty.setdefault(difficulty[o.task_id], []).append(o.passed)
+        counts = by_structure.setdefault(by_id[o.task_id].metadata["structure"], [0, 0])
+        counts[0] += o.passed
+        counts[1] += 1
     passed = sum(o.passed for o in outcomes)
     return {
         "pass_at_1": passed / len(outcomes),
@@ -90,6 +105,12 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
         "mean_turns": sum(o.turns for o in outcomes) / len(outcomes),
         "malformed_tool_calls": sum(o.malformed_tool_calls for o in outcomes),
         "failed_submits": sum(o.ended_by == "submit" and not o.passed for o in outcomes),
+        "first_write": dict(Counter(kind.split(":")[0] for kind in first_write)),
+        "first_write_failed": dict(Counter(k.split(":")[0] for k, o in zip(first_write, outcomes) if not o.passed)),
+        "structures": len(by_structure),
+        "structure_mean_pass_at_1": sum(p / n for p, n in by_structure.values()) / len(by_structure),
+        "by_structure": dict(sorted(by_structure.items(), key=lambda kv: -kv[1][1])),
         "minutes": (time.perf_counter() - t0) / 60,
-        "per_task": [asdict(o) for o in outcomes],
+        "per_task": [{**asdict(o), "first_write": kind, "structure": by_id[o.task_id].metadata["structure"]}
+                     for o, kind in zip(outcomes, first_write)],
     }

@@ -114,6 +114,26 @@ def _solution(task: Task, expert: bool, rng: random.Random) -> str:
     return commented(task.read(novice), missing, task.instructions)
 
 
+def classify_solution(task: Task, content: str | None) -> str:
+    """Which of the corpus's solutions `content` is, up to trailing whitespace: "reference" (what the expert
+    writes), "novice:<bug kind>" (a novice variant, as `_solution` writes it), "other" (neither: the model's
+    own code), or "none" when nothing was written. Tells a base model that fails because it plays the novice
+    (which RL toward the expert removes) from one that fails because it cannot write the program."""
+    if content is None:
+        return "none"
+
+    def norm(source: str) -> str:
+        return "\n".join(line.rstrip() for line in source.strip().splitlines())
+
+    if norm(content) == norm(_solution(task, True, random.Random(0))):
+        return "reference"
+    for bug in task.metadata.get("novice_bugs", []):
+        missing = bug["stage"] - 1 if bug.get("kind") == "missing_step" else None
+        if norm(content) == norm(commented(task.read(bug["file"]), missing, task.instructions)):
+            return f"novice:{bug['kind']}"
+    return "other"
+
+
 def episode_script(task: Task, expert: bool, fix_rate: float, rng: random.Random) -> list[str]:
     """The assistant turns of one expert or novice episode."""
     path = task.solution_files[0]
