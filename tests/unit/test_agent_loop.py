@@ -121,7 +121,6 @@ def test_first_reply_is_classified_as_the_gateway_would_serve_it(reply, action, 
     assert classify_reply(first["tool_names"], first["malformed"], first["content"]) == action
 
 
-
 def test_first_reply_records_what_it_wrote_and_only_the_first_reply(tokenizer, task, sandbox):
     """The eval's first_write reads this: each well-formed write_file of the first reply by normalized path;
     a malformed call, a path outside the workspace and later turns' writes are not in it."""

@@ -18,8 +18,7 @@ from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
     MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution, commented, renamed,
-    shared_prefix_length,
-    synthetic_tasks, tokenizer_texts, without_docstring,
+    shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
 )
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss, prefix_cache,
@@ -104,7 +103,6 @@ def test_solutions_carry_one_comment_per_stage_instead_of_the_docstring(tmp_path
         comments = [line.removeprefix("    # ") for line in written.splitlines() if line.startswith("    # ")]
         assert all(c in " ".join(task.instructions.split()) for c in comments)  # the instructions' own words
         assert callable(_module(written, name))
-
 
 
 def test_classify_solution_names_the_script_that_wrote_a_first_attempt(tmp_path):

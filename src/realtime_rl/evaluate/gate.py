@@ -234,6 +234,6 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
         outcomes.append(EpisodeOutcome(result.task_id, task_seed(seed, index[result.task_id]), result.grades[0].passed,
                                        episode["ended_by"], episode["turns"], episode["tool_calls"],
                                        episode["malformed_tool_calls"], episode["tokens"], action,
-                                       (reply or {}).get("writes", {}).get(solution)))
+                                       reply["writes"].get(solution) if reply else None))
     return outcomes
 

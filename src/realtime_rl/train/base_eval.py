@@ -86,11 +86,10 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
                                        concurrency=concurrency, top_p=top_p)
         by_id = {t.task_id: t for t in tasks}
         first_write = [classify_solution(by_id[o.task_id], o.first_write) for o in outcomes]
-    difficulty = {t.task_id: t.metadata["difficulty"] for t in tasks}
     by_difficulty: dict[int, list[bool]] = {}
     by_structure: dict[str, list[int]] = {}
     for o in outcomes:
-        by_difficulty.setdefault(difficulty[o.task_id], []).append(o.passed)
+        by_difficulty.setdefault(by_id[o.task_id].metadata["difficulty"], []).append(o.passed)
         counts = by_structure.setdefault(by_id[o.task_id].metadata["structure"], [0, 0])
         counts[0] += o.passed
         counts[1] += 1

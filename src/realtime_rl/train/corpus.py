@@ -104,14 +104,23 @@ def commented(source: str, missing_stage: int | None = None, instructions: str =
     return "\n".join(out) + "\n"
 
 
+def _reference(task: Task) -> str:
+    """The reference solution as the scripted expert writes it, with stage comments."""
+    return commented(task.reference_solution()[task.solution_files[0]], instructions=task.instructions)
+
+
+def _novice(task: Task, novice_file: str) -> str:
+    """A novice variant as the scripted novice writes it, with stage comments (kept for a skipped step)."""
+    bug = next((b for b in task.metadata.get("novice_bugs", []) if b["file"] == novice_file), {})
+    missing = bug["stage"] - 1 if bug.get("kind") == "missing_step" else None
+    return commented(task.read(novice_file), missing, task.instructions)
+
+
 def _solution(task: Task, expert: bool, rng: random.Random) -> str:
     """What the scripted agent writes: the reference, or one of the novice variants, with stage comments."""
     if expert or not task.novice_files:
-        return commented(task.reference_solution()[task.solution_files[0]], instructions=task.instructions)
-    novice = rng.choice(task.novice_files)
-    bug = next((b for b in task.metadata.get("novice_bugs", []) if b["file"] == novice), {})
-    missing = bug["stage"] - 1 if bug.get("kind") == "missing_step" else None
-    return commented(task.read(novice), missing, task.instructions)
+        return _reference(task)
+    return _novice(task, rng.choice(task.novice_files))
 
 
 def classify_solution(task: Task, content: str | None) -> str:
@@ -125,11 +134,11 @@ def classify_solution(task: Task, content: str | None) -> str:
     def norm(source: str) -> str:
         return "\n".join(line.rstrip() for line in source.strip().splitlines())
 
-    if norm(content) == norm(_solution(task, True, random.Random(0))):
+    written = norm(content)
+    if written == norm(_reference(task)):
         return "reference"
     for bug in task.metadata.get("novice_bugs", []):
-        missing = bug["stage"] - 1 if bug.get("kind") == "missing_step" else None
-        if norm(content) == norm(commented(task.read(bug["file"]), missing, task.instructions)):
+        if written == norm(_novice(task, bug["file"])):
             return f"novice:{bug['kind']}"
     return "other"
 
