@@ -30,3 +30,19 @@ def test_cached_decode_tracks_full_sequence_on_cuda(dtype):
     got = torch.cat([a.logits_BTV, b.logits_BTV], 1).float()
     assert (got - full.logits_BTV.float()).abs().max() <= tol * full.logits_BTV.float().abs().max()
     assert (replay.logits_BTV.float() - got).abs().max() <= tol * got.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cache_attention_on_cuda_matches_cpu(dtype):
+    """The decode attention kernels fold query heads onto key/value heads; CUDA's kernels return the folded
+    output strided (fp32), which a view could not unfold."""
+    from realtime_rl.model.kv_cache import masked_attention, row_attention
+
+    q, k, v = torch.randn(3, 8, 5, 16), torch.randn(3, 2, 11, 16), torch.randn(3, 2, 11, 16)
+    mask = torch.ones(3, 1, 5, 11, dtype=torch.bool).tril(6)
+    want = masked_attention(q, k, v, mask)
+    got = masked_attention(*(t.to("cuda", dtype) for t in (q, k, v)), mask.cuda())
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+    want = row_attention(q[:1], k[:1], v[:1])
+    got = row_attention(*(t[:1].to("cuda", dtype) for t in (q, k, v)))
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)

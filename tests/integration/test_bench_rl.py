@@ -67,6 +67,8 @@ def test_bench_async_quick():
     m = run_benchmark("async", quick=True)["metrics"]
     assert m["steps"] == 2 and m["sync_minutes"] > 0 and m["async_minutes"] > 0
     assert m["speedup"] == pytest.approx(m["sync_minutes"] / m["async_minutes"])
+    assert m["sync_trainer_step_s"] > 0 and m["async_trainer_step_s"] > 0
+    assert m["trainer_device"] == m["rollout_device"] == "cpu float32" and m["rollout_workers"] == 1
     assert 0.0 <= m["trainer_idle_fraction_sync"] <= 1.0
 
 

@@ -321,6 +321,47 @@ def test_a_resumed_trainer_takes_its_betas_and_weight_decay_from_the_config(tmp_
     assert resumed.optimizer.state  # the moments themselves are the saved ones
 
 
+def test_bf16_mixed_precision_keeps_fp32_weights_and_steps_as_fp32_does(tmp_path):
+    """rl.dtype = bfloat16: autocast computes the forward in bf16 over fp32 weights and AdamW state; the step
+    moves the weights the way the exact fp32 step does, and the recomputed logprobs stay near the engine's."""
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    trainers = {d: RLTrainer(_model(), None, RLConfig(lr=1e-3, dtype=d), tmp_path / d) for d in ("float32", "bfloat16")}
+    engine.update_weights(trainers["float32"].weights(), 0)
+    episodes = _episodes(engine, 0)
+    start = trainers["float32"].weights()
+    metrics, moved = {}, {}
+    for d, trainer in trainers.items():
+        metrics[d] = trainer.step(episodes)
+        after = trainer.weights()
+        assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in after.values())
+        assert all(next(iter(state.values())).dtype == torch.float32 for state in trainer.optimizer.state.values())
+        moved[d] = torch.cat([(after[k] - start[k]).flatten() for k in start])
+    assert metrics["float32"]["train/mismatch_k3"] < 1e-6
+    assert 0 < metrics["bfloat16"]["train/mismatch_k3"] < 1e-3  # bf16 rounding, not a different policy
+    cosine = torch.nn.functional.cosine_similarity(moved["float32"], moved["bfloat16"], dim=0)
+    assert cosine > 0.95, float(cosine)
+    assert math.isclose(metrics["bfloat16"]["train/loss"], metrics["float32"]["train/loss"], rel_tol=0.1, abs_tol=1e-3)
+
+
+def test_a_device_that_is_not_here_is_refused_with_what_is_missing(tmp_path):
+    from pydantic import ValidationError
+
+    from realtime_rl.config import RolloutConfig
+    from realtime_rl.model import torch_device
+
+    for bad in ("gpu", "cuda:x", "CUDA"):
+        with pytest.raises(ValidationError, match="device"):
+            RLConfig(device=bad)
+        with pytest.raises(ValidationError, match="device"):
+            RolloutConfig(device=bad)
+    assert torch_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA device"):
+        torch_device(f"cuda:{torch.cuda.device_count()}")  # one past the last (or none at all)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="finds no CUDA device"):
+            RLTrainer(_model(), None, RLConfig(device="cuda"), tmp_path)
+
+
 def test_staleness_buffer_admits_within_the_bound_and_drops_what_outlives_it():
     sync = StalenessBuffer(max_staleness=0, groups_per_step=2)
     starts = 0

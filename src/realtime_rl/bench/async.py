@@ -20,6 +20,7 @@ training reward of their last steps); the speedup is the ratio of wall times for
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,7 +68,18 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "async_dropped_stale_groups": asyn["dropped_stale_groups"],
         "sync_rollout_tokens_per_s": sync["rollout_tokens_per_s"],
         "async_rollout_tokens_per_s": asyn["rollout_tokens_per_s"],
+        "sync_trainer_step_s": _median_step_s(sync),
+        "async_trainer_step_s": _median_step_s(asyn),
         "tool_latency_s": latency,
         "episodes_in_flight": in_flight,
         "eval_tasks": eval_tasks,
+        "rollout_workers": config.rollout.workers,
+        "trainer_device": f"{config.rl.device} {config.rl.dtype}",
+        "rollout_device": f"{config.rollout.device} {config.rollout.dtype}",
     }
+
+
+def _median_step_s(summary: dict[str, Any]) -> float | None:
+    """The median seconds of a run's trainer steps (train/step_s: the step, its checkpoint and its publish)."""
+    steps = [m["train/step_s"] for m in summary["history"]]
+    return statistics.median(steps) if steps else None

@@ -10,6 +10,9 @@ from pydantic import Field, model_validator
 from realtime_rl.config.base import StrictModel
 from realtime_rl.config.components import AgentConfig, ModelConfig, SandboxConfig, TokenizerTrainConfig
 
+DEVICE_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"
+"""A torch device the trainer and the rollout engines accept."""
+
 
 class PretrainConfig(StrictModel):
     """`rtrl pretrain`: continued pre-training of the default base model on generated agent episodes.
@@ -128,6 +131,12 @@ class RLConfig(StrictModel):
     """Padded tokens per forward/backward micro-batch (gradients accumulate over micro-batches)."""
     malformed_penalty: float = Field(0.0, ge=0.0, le=10.0)
     """Subtracted from an episode's reward per malformed tool call."""
+    device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    """Where the trainer's weights, AdamW state and forward/backward live: cpu, cuda or cuda:N."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The forward/backward's compute dtype. float32: exact. bfloat16: mixed precision, as FSDP's and verl's
+    default: matmuls and attention run in bf16 under autocast over fp32 weights, gradients and AdamW state;
+    the LM head's log-softmax, the loss and the optimizer step stay fp32 (train/rl.py)."""
 
 
 class RolloutConfig(StrictModel):
@@ -171,6 +180,11 @@ class RolloutConfig(StrictModel):
     """Run each worker engine's decode step through torch.compile (engine/engine.py), compiled at worker
     start-up (~10 s with inductor's on-disk cache, ~1 min without). 1.1-2.5x the eager decode tokens/s
     on CPU at short contexts (`rtrl bench engine`), none at agent-episode lengths (docs/serving.md)."""
+    device: str = Field("cpu", pattern=DEVICE_PATTERN)
+    """Where each worker's engine runs: cpu, cuda or cuda:N (workers on one GPU share it)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The engine's weights and KV cache: float32, or bfloat16 (a GPU's inference precision; the decoupled
+    objective corrects the difference from the trainer's recomputation, and router replay keeps its experts)."""
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the trainer publishes its weights in. float32: the workers sample from exactly the
     trainer's weights (the delta is ~2-3x smaller than the weights: most fp32 elements move every step).

@@ -15,7 +15,14 @@ Public API (later stages import only these names):
 from realtime_rl.model.chat import (
     CHAT_TEMPLATE, SPECIAL_TOKENS, parse_assistant, render_messages, render_tool_responses,
 )
-from realtime_rl.model.checkpoint import Checkpoint, config_from_hf, config_to_hf, load_checkpoint, save_checkpoint
+from realtime_rl.model.checkpoint import (
+    Checkpoint,
+    config_from_hf,
+    config_to_hf,
+    load_checkpoint,
+    save_checkpoint,
+    torch_device,
+)
 from realtime_rl.model.corpus import generate_corpus
 from realtime_rl.model.generate import Generated, generate, sample_token
 from realtime_rl.model.kv_cache import KVCache
@@ -25,5 +32,5 @@ from realtime_rl.model.tokenizer import Tokenizer
 __all__ = [
     "CHAT_TEMPLATE", "SPECIAL_TOKENS", "Checkpoint", "Generated", "generate", "sample_token", "KVCache", "ModelOutput", "Qwen3ForCausalLM", "Tokenizer",
     "config_from_hf", "config_to_hf", "generate_corpus", "load_checkpoint", "parse_assistant", "render_messages", "render_tool_responses",
-    "routing_dtype", "save_checkpoint", "sequence_logprobs",
+    "routing_dtype", "save_checkpoint", "sequence_logprobs", "torch_device",
 ]

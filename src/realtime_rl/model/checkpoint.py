@@ -178,6 +178,20 @@ def state_dict_to_hf(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------- public
 
 
+def torch_device(name: str | torch.device) -> torch.device:
+    """The torch device `name` names, checked to exist here (a ValueError says what is missing)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {str(name)!r}: {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(name)!r}: this torch ({torch.__version__}) finds no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(name)!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
+
+
 def load_checkpoint(
     path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> Checkpoint:
@@ -204,6 +218,7 @@ def load_checkpoint(
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint tensors do not match the config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    device = torch_device(device) if device is not None else None
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

@@ -128,7 +128,7 @@ def masked_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.T
     q_BKQD = q_BHTD.reshape(B, K, G * T, D)  # query head h = kv head h // G, as in enable_gqa
     mask_B1QS = mask_B1TS.repeat(1, 1, G, 1) if G > 1 and T > 1 else mask_B1TS
     out_BKQD = F.scaled_dot_product_attention(q_BKQD, k_BKSD, v_BKSD, attn_mask=mask_B1QS)
-    return out_BKQD.view(B, H, T, D)
+    return out_BKQD.reshape(B, H, T, D)  # a CUDA kernel may return it strided: reshape copies only then
 
 
 def row_attention(q_1HTD: torch.Tensor, k_1KSD: torch.Tensor, v_1KSD: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def row_attention(q_1HTD: torch.Tensor, k_1KSD: torch.Tensor, v_1KSD: torch.Tens
     _, H, T, D = q_1HTD.shape
     K = k_1KSD.shape[1]
     out = F.scaled_dot_product_attention(q_1HTD.reshape(1, K, H // K * T, D), k_1KSD, v_1KSD)
-    return out.view(1, H, T, D)
+    return out.reshape(1, H, T, D)
 
 
 @dataclass

@@ -64,7 +64,8 @@ class _LatentPolicy:
 class RolloutWorker:
     def __init__(self, checkpoint_dir: str | Path, config: RolloutConfig, worker_id: int = 0, seed: int = 0) -> None:
         torch.set_num_threads(config.threads_per_worker)
-        ckpt = load_checkpoint(checkpoint_dir, dtype=torch.float32)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        ckpt = load_checkpoint(checkpoint_dir, device=config.device, dtype=dtype)
         if ckpt.tokenizer is None:
             raise ValueError(f"{checkpoint_dir}: the checkpoint has no tokenizer")
         self.tokenizer = ckpt.tokenizer

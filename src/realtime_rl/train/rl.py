@@ -28,6 +28,7 @@ Not here: sampling (rollout/), rewards beyond pass/fail.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import tempfile
@@ -40,7 +41,14 @@ import numpy as np
 import torch
 
 from realtime_rl.config import RLConfig
-from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, routing_dtype, save_checkpoint
+from realtime_rl.model import (
+    Qwen3ForCausalLM,
+    Tokenizer,
+    load_checkpoint,
+    routing_dtype,
+    save_checkpoint,
+    torch_device,
+)
 from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, length_normalized, policy_loss
@@ -144,7 +152,9 @@ class RLTrainer:
                  version: int = 0, consumed: dict[int, list[str]] | None = None,
                  optimizer_state: dict[str, Any] | None = None, reference: Qwen3ForCausalLM | None = None,
                  schedule_start: int = 0) -> None:
-        self.model = model.train()
+        self.device = torch_device(config.device)
+        # Weights, gradients and AdamW state stay fp32 on the device; bf16 is the forward's compute dtype only.
+        self.model = model.to(self.device, torch.float32).train()
         self.tokenizer = tokenizer
         self.config = config
         self.run_dir = Path(run_dir)
@@ -158,7 +168,7 @@ class RLTrainer:
         CONSUMED_VERSIONS versions."""
         if config.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef={config.kl_coef} needs a reference model (RLTrainer.open loads one)")
-        self.reference = reference.eval() if reference is not None else None
+        self.reference = reference.to(self.device, torch.float32).eval() if reference is not None else None
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
@@ -185,7 +195,7 @@ class RLTrainer:
         reference = load_checkpoint(base_checkpoint, dtype=torch.float32).model if config.kl_coef > 0 else None
         if latest is None:
             return cls(ckpt.model, ckpt.tokenizer, config, run_dir, reference=reference)
-        state = torch.load(latest / STATE_FILE, weights_only=True)
+        state = torch.load(latest / STATE_FILE, weights_only=True, map_location="cpu")  # the optimizer moves it
         consumed = {int(v): list(ids) for v, ids in state["consumed"].items()}
         return cls(ckpt.model, ckpt.tokenizer, config, run_dir, state["version"], consumed, state["optimizer"],
                    reference)
@@ -208,8 +218,14 @@ class RLTrainer:
         return {i for ids in self.consumed.values() for i in ids}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The current parameters (detached copies), for publishing to rollout engines."""
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        """The current parameters (detached CPU copies), for publishing to rollout engines."""
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's precision: bf16 matmuls and attention over the fp32 weights (rl.dtype), or exact fp32."""
+        if self.config.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     # -------------------------------------------------------------------------------- the step
 
@@ -353,8 +369,10 @@ class RLTrainer:
             replay = routing is not None
             prefix = min(_shared_inputs(micro[0][0], seg, routing=replay) for seg, _ in micro[1:])
         arrays = (targets, behaviour, advantages, fresh, temperature)
-        return _MicroBatch(ids, routing, prefix, where[:, prefix:],
-                           *(torch.from_numpy(np.concatenate(x)) for x in arrays), rows)
+        dev = self.device
+        return _MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix,
+                           where[:, prefix:].to(dev), *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays),
+                           rows)
 
     def _logprobs(self, batch: _MicroBatch, model: Qwen3ForCausalLM | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,14 +384,16 @@ class RLTrainer:
         model = model or self.model
         ids, routing, P = batch.ids_BT, batch.routing_BTLK, batch.prefix
         shared = None
-        if P:
-            shared = SharedPrefix()
-            model.hidden_states(ids[:1, :P], replay_routing=None if routing is None else routing[:1, :P],
-                                shared_prefix=shared)
-        positions = torch.arange(P, ids.shape[1]).expand(ids.shape[0], -1)
-        hidden_BTC, _ = model.hidden_states(ids[:, P:], positions, shared_prefix=shared,
-                                            replay_routing=None if routing is None else routing[:, P:])
-        logits_NV = model.lm_head(hidden_BTC[batch.where_BT]).float() / batch.temperature[:, None]
+        with self._autocast():
+            if P:
+                shared = SharedPrefix()
+                model.hidden_states(ids[:1, :P], replay_routing=None if routing is None else routing[:1, :P],
+                                    shared_prefix=shared)
+            positions = torch.arange(P, ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            hidden_BTC, _ = model.hidden_states(ids[:, P:], positions, shared_prefix=shared,
+                                                replay_routing=None if routing is None else routing[:, P:])
+            logits_NV = model.lm_head(hidden_BTC[batch.where_BT])
+        logits_NV = logits_NV.float() / batch.temperature[:, None]
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         return logp_NV.gather(-1, batch.targets[:, None])[:, 0], logp_NV
 
