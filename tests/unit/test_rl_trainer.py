@@ -362,6 +362,20 @@ def test_a_device_that_is_not_here_is_refused_with_what_is_missing(tmp_path):
             RLTrainer(_model(), None, RLConfig(device="cuda"), tmp_path)
 
 
+def test_ray_rollout_actors_reserve_gpus_only_for_cuda_engines():
+    from pydantic import ValidationError
+
+    from realtime_rl.config import RolloutConfig
+    from realtime_rl.rollout.ray_actors import actor_options
+
+    four_per_gpu = RolloutConfig(backend="ray", device="cuda", gpus_per_worker=0.25, episodes_in_flight=16)
+    assert actor_options(four_per_gpu, group_size=8) == {"num_cpus": 1, "num_gpus": 0.25, "max_concurrency": 4}
+    assert actor_options(RolloutConfig(backend="ray"), group_size=8)["num_gpus"] == 0
+    with pytest.raises(ValidationError, match="name it 'cuda'"):  # an actor sees its own GPUs only, as cuda
+        RolloutConfig(backend="ray", device="cuda:1")
+    assert RolloutConfig(backend="local", device="cuda:1").device == "cuda:1"
+
+
 def test_staleness_buffer_admits_within_the_bound_and_drops_what_outlives_it():
     sync = StalenessBuffer(max_staleness=0, groups_per_step=2)
     starts = 0
@@ -491,3 +505,16 @@ def test_the_log_records_tasks_handed_out_durably(tmp_path):
     log.hand_out(8)
     assert TrajectoryLog(tmp_path / "log").tasks_handed_out() == 8
     assert len(log) == 0 and not list((tmp_path / "log").glob(".*"))  # no group counted, no temp file left
+
+
+def test_train_tasks_take_the_difficulties_in_turn_from_the_easiest_asked_for():
+    from pydantic import ValidationError
+
+    from realtime_rl.config import RolloutConfig
+    from realtime_rl.rollout.orchestrator import task_difficulty
+
+    assert [task_difficulty(k, RolloutConfig(max_difficulty=2)) for k in range(5)] == [1, 2, 1, 2, 1]
+    assert [task_difficulty(k, RolloutConfig(min_difficulty=3, max_difficulty=4)) for k in range(4)] == [3, 4, 3, 4]
+    assert {task_difficulty(k, RolloutConfig(min_difficulty=3, max_difficulty=3)) for k in range(4)} == {3}
+    with pytest.raises(ValidationError, match="exceeds max_difficulty"):
+        RolloutConfig(min_difficulty=3, max_difficulty=2)

@@ -155,7 +155,10 @@ class RolloutConfig(StrictModel):
     threads_per_worker: int = Field(1, ge=1, le=256)
     """torch threads in each worker."""
     max_difficulty: int = Field(2, ge=1, le=4)
-    """Train tasks cycle through difficulties 1..max_difficulty."""
+    """Train tasks cycle through difficulties min_difficulty..max_difficulty."""
+    min_difficulty: int = Field(1, ge=1, le=4)
+    """The easiest difficulty of train tasks (> 1 trains on longer programs only: with the default base,
+    structures pre-training never generated start at difficulty 3)."""
     task_seed: int = 0
     """Seed of the synthetic task generator (the pre-training recipe's seed)."""
     first_task: int = Field(100_000, ge=0)
@@ -182,6 +185,9 @@ class RolloutConfig(StrictModel):
     on CPU at short contexts (`rtrl bench engine`), none at agent-episode lengths (docs/serving.md)."""
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
     """Where each worker's engine runs: cpu, cuda or cuda:N (workers on one GPU share it)."""
+    gpus_per_worker: float = Field(1.0, gt=0, le=64)
+    """With backend ray and device cuda: the GPUs each actor reserves. Ray sets the actor's CUDA_VISIBLE_DEVICES
+    to them (so the actor names its GPU `cuda`); a fraction packs several workers on one GPU (0.25: four)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The engine's weights and KV cache: float32, or bfloat16 (a GPU's inference precision; the decoupled
     objective corrects the difference from the trainer's recomputation, and router replay keeps its experts)."""
@@ -191,6 +197,20 @@ class RolloutConfig(StrictModel):
     bfloat16: what a bf16 inference fleet receives, ~16x smaller at lr 5e-5 and ~150-250x at ~1% changed
     (benchmarks/BENCHMARKS.md, delta on real RL steps); the workers then sample from the bf16-rounded
     weights and the decoupled objective corrects for the difference (mismatch_k3 shows it)."""
+
+    @model_validator(mode="after")
+    def _difficulties(self) -> RolloutConfig:
+        if self.min_difficulty > self.max_difficulty:
+            raise ValueError(f"rollout.min_difficulty ({self.min_difficulty}) exceeds max_difficulty "
+                             f"({self.max_difficulty})")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_actors_name_their_gpu_cuda(self) -> RolloutConfig:
+        if self.backend == "ray" and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"rollout.device {self.device!r} with backend ray: each actor sees only the GPUs it "
+                             "reserved (rollout.gpus_per_worker), as cuda; name it 'cuda'")
+        return self
 
 
 class TrainConfig(StrictModel):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from realtime_rl.config import TrainConfig
+from realtime_rl.config import RolloutConfig, TrainConfig
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.rollout.base import RolloutBackend
 from realtime_rl.rollout.buffer import StalenessBuffer, TrajectoryLog
@@ -49,6 +49,11 @@ def make_backend(config: TrainConfig, checkpoint_dir: Path) -> RolloutBackend:
     from realtime_rl.rollout.local import LocalBackend
     return LocalBackend(rollout, checkpoint_dir, config.rl.group_size, config.seed,
                         weights_dir=Path(config.run_dir) / "weights")
+
+
+def task_difficulty(k: int, rollout: RolloutConfig) -> int:
+    """The difficulty of the run's k-th group: min_difficulty..max_difficulty in turn."""
+    return rollout.min_difficulty + k % (rollout.max_difficulty - rollout.min_difficulty + 1)
 
 
 def resolve_base(config: TrainConfig) -> Path:
@@ -101,7 +106,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     break
                 while backend.in_flight < backend.capacity and buffer.may_start(trainer.version):
                     job = GroupJob(new_group_id(), config.rollout.first_task + next_task,
-                                   1 + next_task % config.rollout.max_difficulty, size,
+                                   task_difficulty(next_task, config.rollout), size,
                                    config.seed * 1_000_003 + next_task, trainer.version)
                     next_task += 1
                     log.hand_out(next_task)

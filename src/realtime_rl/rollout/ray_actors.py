@@ -49,6 +49,13 @@ class _Actor:
         self.worker.close()
 
 
+def actor_options(config: RolloutConfig, group_size: int) -> dict[str, float | int]:
+    """Ray resources and threads of one rollout actor: a CPU, its GPUs when its engine runs on CUDA (Ray then
+    makes them the actor's `cuda`), and a thread per group it holds plus two for weights and closing."""
+    gpus = config.gpus_per_worker if config.device == "cuda" else 0
+    return {"num_cpus": 1, "num_gpus": gpus, "max_concurrency": groups_per_worker(config, group_size) + 2}
+
+
 class RayBackend(RolloutBackend):
     def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0) -> None:
         import ray  # optional dependency (extra "ray")
@@ -67,7 +74,7 @@ class RayBackend(RolloutBackend):
         ray = self.ray
         if not ray.is_initialized():
             ray.init(num_cpus=max(2, self.config.workers), include_dashboard=False, log_to_driver=False)
-        actor_cls = ray.remote(_Actor).options(num_cpus=1, max_concurrency=groups_per_worker(self.config, self.group_size) + 2)
+        actor_cls = ray.remote(_Actor).options(**actor_options(self.config, self.group_size))
         from realtime_rl.deploy import RayTransport
 
         self._publisher = WeightPublisher(RayTransport(self._weights, timeout_s=self.config.timeout_s),
