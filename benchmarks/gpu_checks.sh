@@ -1,0 +1,74 @@
+#!/bin/bash
+# Issue 5's GPU checks on a lent device machine (one CUDA GPU, no network), as one call.
+#
+#   benchmarks/gpu_checks.sh prepare [BASE_DIR]   # here: wheels, Debian debs and the base model into
+#                                                 # .whl/ .debs/ .device/ (git-ignored via .git/info/exclude)
+#   device run, carry [".whl", ".debs", ".device"]:
+#     bash benchmarks/gpu_checks.sh run           # env, pytest -m gpu, mismatch on CUDA, then bench async
+#
+# run's knobs (environment): CHECKS=0 skips the tests and mismatch; ASYNC=0 skips the async bench;
+# GPU_TESTS (default tests/gpu); MISMATCH (dtypes, default "bfloat16 float32"); BUDGET_S (seconds the whole
+# run may take, default 540: the async bench gets what is left); STEPS, EVAL (the bench's steps and eval
+# tasks); ASYNC_SET (its --set overrides; default: the trainer on the GPU in bf16, engines on 12 CPU workers).
+# What lands in $OUT comes back: env.txt, gpu_tests.log, mismatch_cuda_*.json, async_cuda.json, async.log.
+set -u
+PY=${PY:-.venv/bin/python}
+
+prepare() {
+  local base=${1:-runs/pretrain/checkpoints/step-0001250}
+  for d in .whl .debs .device; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
+  mkdir -p .whl .debs .device/base
+  # What the device image lacks of our imports (its torch, numpy, safetensors, tokenizers, ... serve as they are).
+  local pkgs="pydantic pydantic_core annotated-types typing-inspection typing_extensions fastapi starlette openai
+              jiter sniffio zstandard opentelemetry-api httpx2 httpcore2 truststore idna anyio h11"
+  for p in $pkgs; do
+    v=$($PY -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}')
+    [ -n "$v" ] || { echo "not installed here: $p"; continue; }
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl "$p==$v" 2>&1 | grep -v '^WARNING' || true
+  done
+  # The sandbox: bubblewrap, and pytest for the system interpreter the sandbox runs.
+  (cd .debs && apt-get download bubblewrap python3-pytest python3-pluggy python3-py python3-iniconfig \
+     python3-attr python3-more-itertools python3-packaging)
+  cp "$base"/{config.json,generation_config.json,model.safetensors,tokenizer.json,tokenizer_config.json} .device/base/
+  du -sh .whl .debs .device
+}
+
+run() {
+  export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+  local t0; t0=$(date +%s)
+  log() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; /usr/bin/python3 --version;
+    python3 --version; } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+  for f in .debs/*.deb; do dpkg -x "$f" / || log "dpkg -x $f failed"; done
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD
+  local rtrl="python3 -m realtime_rl.cli"
+  timeout 60 python3 -c "from realtime_rl.environments.sandbox.probe import probe_isolation as p; print(p().label)"
+  if [ "${CHECKS:-1}" = 1 ]; then
+    log "pytest -m gpu"
+    timeout 200 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -s -p no:cacheprovider -o addopts="" 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -25
+    for dt in ${MISMATCH:-bfloat16 float32}; do
+      log "mismatch cuda $dt"
+      RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 120 $rtrl bench mismatch --json "$OUT/mismatch_cuda_$dt.json" \
+        2>&1 | grep -A12 '"metrics"'
+    done
+  fi
+  [ "${ASYNC:-1}" = 1 ] || { log end; return; }
+  local left=$(( ${BUDGET_S:-540} - ($(date +%s) - t0) - 15 ))
+  log "async bench, $left s left"
+  local sets=${ASYNC_SET:-"--set rl.device=cuda --set rl.dtype=bfloat16 --set rollout.workers=12"}
+  RTRL_BENCH_BASE=.device/base RTRL_BENCH_STEPS=${STEPS:-20} RTRL_BENCH_EVAL_TASKS=${EVAL:-24} timeout "$left" \
+    $rtrl bench async --json "$OUT/async_cuda.json" $sets 2>&1 | tr '\r' '\n' | grep -v '^\s*$' \
+    | tee "$OUT/async.log" | tail -30
+  log end
+}
+
+case ${1:-} in
+  prepare) shift; prepare "$@" ;;
+  run) run ;;
+  *) echo "usage: $0 prepare [BASE_DIR] | run" >&2; exit 2 ;;
+esac
