@@ -13,19 +13,12 @@ from realtime_rl.engine import Engine
 from realtime_rl.rollout import train
 from realtime_rl.train import RLTrainer
 from tests.integration.test_rl_pipeline import AGENT
-from tests.unit.test_rl_trainer import GOOD, PROMPTS, _episodes, _model
+from tests.unit.test_rl_trainer import _episodes, _good_mass, _model
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _good_mass(model) -> float:
-    with torch.no_grad():
-        probs = [torch.softmax(model(torch.tensor([p], device="cuda")).logits_BTV[0, -1].float(), -1)[:GOOD].sum()
-                 for p in PROMPTS]
-    return float(torch.stack(probs).mean())
 
 
 def test_bf16_trainer_and_bf16_engine_on_cuda_learn_with_router_replay(tmp_path):

@@ -44,8 +44,10 @@ def _episodes(engine: Engine, step: int, group_size: int = 8, max_tokens: int = 
 
 
 def _good_mass(model: Qwen3ForCausalLM) -> float:
+    device = next(model.parameters()).device
     with torch.no_grad():
-        probs = [torch.softmax(model(torch.tensor([p])).logits_BTV[0, -1], -1)[:GOOD].sum() for p in PROMPTS]
+        probs = [torch.softmax(model(torch.tensor([p], device=device)).logits_BTV[0, -1].float(), -1)[:GOOD].sum()
+                 for p in PROMPTS]
     return float(torch.stack(probs).mean())
 
 

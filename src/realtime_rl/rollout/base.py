@@ -19,7 +19,7 @@ from realtime_rl.types import Episode
 
 def publish_dtype(config: RolloutConfig) -> torch.dtype:
     """The dtype weights are published to the workers in (config.weights_dtype)."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.weights_dtype]
+    return getattr(torch, config.weights_dtype)
 
 
 def groups_per_worker(config: RolloutConfig, group_size: int) -> int:

@@ -64,8 +64,7 @@ class _LatentPolicy:
 class RolloutWorker:
     def __init__(self, checkpoint_dir: str | Path, config: RolloutConfig, worker_id: int = 0, seed: int = 0) -> None:
         torch.set_num_threads(config.threads_per_worker)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-        ckpt = load_checkpoint(checkpoint_dir, device=config.device, dtype=dtype)
+        ckpt = load_checkpoint(checkpoint_dir, device=config.device, dtype=getattr(torch, config.dtype))
         if ckpt.tokenizer is None:
             raise ValueError(f"{checkpoint_dir}: the checkpoint has no tokenizer")
         self.tokenizer = ckpt.tokenizer
