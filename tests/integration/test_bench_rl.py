@@ -48,6 +48,9 @@ def test_unseen_train_tasks_start_past_what_pretraining_generated(tmp_path):
     fresh = {generate_task(i, "train", 3, difficulty=d).slug for d in (1, 2) for i in range(5, 10)}
     assert not seen & fresh
     assert unseen_train_tasks(tmp_path, 10**6, 2) is None  # past the end of the split
+    (tmp_path / "pretrain.json").write_text(
+        '{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3, "reserve_structures": true}}')
+    assert unseen_train_tasks(tmp_path, 10, 2) == {"split": "reserved", "start": 0, "seed": 3}
 
 
 def test_recipe_overrides_come_after_the_quick_sizes(tmp_path, monkeypatch):

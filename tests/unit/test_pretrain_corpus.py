@@ -13,7 +13,7 @@ import torch
 
 from realtime_rl.config import ModelConfig, PretrainConfig, load_config
 from realtime_rl.environments import generate_task, load_task
-from realtime_rl.environments.synthetic import structure_split
+from realtime_rl.environments.synthetic import reserved_structure, structure_split, task_set
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
@@ -51,6 +51,19 @@ def _passes_its_tests(task) -> bool:
                 except AssertionError:
                     return False
     return True
+
+
+def test_a_corpus_that_reserves_structures_leaves_out_exactly_theirs():
+    plain = [task.task_id for task in synthetic_tasks(40, max_difficulty=2, seed=0)]
+    assert plain == [f"syn-train-d{1 + i % 2}-{i // 2:06d}" for i in range(40)]  # unchanged when none is reserved
+    tasks = list(synthetic_tasks(200, max_difficulty=2, seed=0, reserve_structures=True))
+    assert {task_set(task.metadata["structure"]) for task in tasks} == {"train"}
+    assert len({task.task_id for task in tasks}) == 200
+    kept = sum(not reserved_structure(generate_task(i // 2, "train", 0, difficulty=1 + i % 2).metadata["structure"])
+               for i in range(200))
+    assert kept < 200  # reserved tasks were skipped, not renamed
+    later = [task.task_id for task in synthetic_tasks(20, max_difficulty=2, seed=0, start=180, reserve_structures=True)]
+    assert later == [task.task_id for task in tasks[180:]]
 
 
 def test_renamed_tasks_are_the_same_task_under_another_name():

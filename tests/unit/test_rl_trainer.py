@@ -520,3 +520,20 @@ def test_train_tasks_take_the_difficulties_in_turn_from_the_easiest_asked_for():
     assert {task_difficulty(k, RolloutConfig(min_difficulty=3, max_difficulty=3)) for k in range(4)} == {3}
     with pytest.raises(ValidationError, match="exceeds max_difficulty"):
         RolloutConfig(min_difficulty=3, max_difficulty=2)
+
+
+def test_a_rollout_on_the_reserved_split_draws_only_reserved_structures():
+    from pydantic import ValidationError
+
+    from realtime_rl.config import RolloutConfig
+    from realtime_rl.environments.synthetic import task_set
+    from realtime_rl.rollout.worker import GroupJob, job_task
+
+    def structures(rollout):
+        return {task_set(job_task(GroupJob("g", 100_000 + k, 1 + k % 2, 8, 0, 0), rollout).metadata["structure"])
+                for k in range(20)}
+
+    assert structures(RolloutConfig(split="reserved")) == {"reserved"}
+    assert "train" in structures(RolloutConfig())
+    with pytest.raises(ValidationError, match="split"):
+        RolloutConfig(split="heldout")

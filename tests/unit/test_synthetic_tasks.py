@@ -16,8 +16,9 @@ import pytest
 
 from realtime_rl.environments import load_task, load_tasks
 from realtime_rl.environments.synthetic import (
-    BUG_KINDS, HELDOUT_FRACTION, SPLITS, SyntheticTask, count_distinct_programs, count_distinct_tasks,
-    generate_task, generate_tasks, split_size, structure_split,
+    BUG_KINDS, HELDOUT_FRACTION, RESERVED_FRACTION, SPLITS, SyntheticTask, count_distinct_programs,
+    count_distinct_tasks, generate_task, generate_tasks, reserved_structure, split_size, structure_split, task_set,
+    unreserved_train_indices,
 )
 from realtime_rl.environments.synthetic_ops import structure_name, structures
 
@@ -220,3 +221,22 @@ def test_bad_arguments_are_refused(kwargs, message, tmp_path):
         generate_task(**kwargs)
     with pytest.raises(ValueError, match="count"):
         generate_tasks(tmp_path, count=-1)
+
+
+def test_reserved_structures_are_a_stable_share_of_train_and_a_task_set_of_their_own():
+    names = [structure_name(ops) for ops in structures()]
+    train = [name for name in names if structure_split(name) == "train"]
+    reserved = [name for name in train if reserved_structure(name)]
+    assert abs(len(reserved) / len(train) - RESERVED_FRACTION) < 0.03
+    assert not any(reserved_structure(name) for name in names if structure_split(name) == "heldout")
+    for difficulty in (1, 2):
+        assert 0 < split_size("reserved", difficulty) < split_size("train", difficulty)
+        for index in range(100):
+            structure = generate_task(index, "reserved", seed=2, difficulty=difficulty).metadata["structure"]
+            assert task_set(structure) == "reserved" and structure_split(structure) == "train"
+    other = unreserved_train_indices(seed=0, difficulty=1)
+    kept = split_size("train", 1) - split_size("reserved", 1)
+    first = [next(other) for _ in range(kept + 2)]
+    assert len(set(first[:kept])) == kept and first[kept:] == first[:2]  # every other task once, then again
+    assert not any(reserved_structure(generate_task(i, "train", difficulty=1).metadata["structure"])
+                   for i in first[:50])

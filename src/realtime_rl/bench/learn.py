@@ -11,7 +11,9 @@ is one whose interval excludes 0. Held-out tasks are of program structures no tr
 they measure what transfers.
 `*_pass_at_1_train_structures` measure the same before and after on 200 fresh tasks of the structures RL
 trains on (train split, indices the base's pre-training never generated; `None` when the checkpoint has
-no pretrain.json to say which): whether RL learned at all, apart from whether that transfers.
+no pretrain.json to say which): whether RL learned at all, apart from whether that transfers. For a base
+built with `reserve_structures` they are reserved tasks (`train_structures_split`), the structures
+`--set rollout.split=reserved` trains on and the base never saw.
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `base_greedy_pass_at_1` is the base on the same tasks at temperature 0: roughly what sharpening the base's
@@ -72,11 +74,15 @@ def smoke_base(run_dir: Path) -> Path:
 def unseen_train_tasks(base: Path, num_tasks: int, max_difficulty: int) -> dict[str, int] | None:
     """Arguments of heldout_pass_at_1 for num_tasks train-split tasks that pre-training of `base` never
     generated (it wrote tasks 0 .. ceil(num_tasks / max_difficulty) - 1 of each difficulty, train/corpus.py),
-    or None when base has no pretrain.json or the split has too few tasks past those."""
+    or None when base has no pretrain.json or the split has too few tasks past those. A base built with
+    `reserve_structures` never saw the reserved structures, which RL with rollout.split = "reserved" trains on
+    (from rollout.first_task on): their tasks 0, 1, ... of each difficulty."""
     record = base / "pretrain.json"
     if not record.is_file():
         return None
     built = json.loads(record.read_text())["config"]
+    if built.get("reserve_structures"):
+        return {"split": "reserved", "start": 0, "seed": built["seed"]}
     start = math.ceil(built["num_tasks"] / built["max_difficulty"])
     if start + num_tasks > min(split_size("train", d) for d in range(1, max_difficulty + 1)):
         return None
@@ -189,6 +195,7 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "base_passed_bits": passed_bits(before),
         "rl_passed_bits": passed_bits(after),
         "eval_tasks_train_structures": before_train["tasks"] if before_train else None,
+        "train_structures_split": unseen["split"] if unseen else None,
         "rl_steps": summary["steps_this_run"],
         "train_reward_first": summary["reward_first"],
         "train_reward_last3": summary["reward_last_mean"],

@@ -37,6 +37,10 @@ class PretrainConfig(StrictModel):
     (same expert_fraction), dense in supervised tokens and needing no sandbox."""
     max_difficulty: int = Field(2, ge=1, le=4)
     """Tasks cycle through difficulties 1..max_difficulty."""
+    reserve_structures: bool = False
+    """Leave the reserved train structures (synthetic_index.RESERVED_FRACTION of them) out of the corpus, so
+    that RL with `rollout.split = "reserved"` practises on structures the base never saw, as held-out ones.
+    Where a difficulty's other tasks run out (difficulty 1: ~6,900 tasks), the corpus cycles through them."""
     expert_fraction: float = Field(0.8, ge=0.0, le=1.0)
     """Share of first-turn documents that write the reference solution; the rest write a novice variant."""
     episode_expert_fraction: float = Field(0.3, ge=0.0, le=1.0)
@@ -159,6 +163,9 @@ class RolloutConfig(StrictModel):
     min_difficulty: int = Field(1, ge=1, le=4)
     """The easiest difficulty of train tasks (> 1 trains on longer programs only: with the default base,
     structures pre-training never generated start at difficulty 3)."""
+    split: Literal["train", "reserved"] = "train"
+    """Which train tasks RL draws: all train structures, or only the reserved ones (synthetic_index), which a
+    base built with `reserve_structures = true` never saw."""
     task_seed: int = 0
     """Seed of the synthetic task generator (the pre-training recipe's seed)."""
     first_task: int = Field(100_000, ge=0)

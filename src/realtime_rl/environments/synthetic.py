@@ -39,16 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from realtime_rl.environments.synthetic_index import (
-    HELDOUT_FRACTION, SPLITS, Pick, Split, count_distinct_programs, count_distinct_tasks, pick, split_size,
-    structure_split,
+    HELDOUT_FRACTION, RESERVED_FRACTION, SPLITS, TASK_SETS, Pick, Split, count_distinct_programs,
+    count_distinct_tasks, pick, reserved_structure, split_size, structure_split, task_set,
+    unreserved_train_indices,
 )
 from realtime_rl.environments.synthetic_ops import (
     ANNOTATION, INPUT_DESCRIPTION, LAYOUTS, NAME_STYLES, PARAMETER_NAMES, RESULT_DESCRIPTION, Op,
     structure_name,
 )
 
-__all__ = ["BUG_KINDS", "HELDOUT_FRACTION", "SPLITS", "SyntheticTask", "count_distinct_programs",
-           "count_distinct_tasks", "generate_task", "generate_tasks", "split_size", "structure_split"]
+__all__ = ["BUG_KINDS", "HELDOUT_FRACTION", "RESERVED_FRACTION", "SPLITS", "TASK_SETS", "SyntheticTask",
+           "count_distinct_programs", "count_distinct_tasks", "generate_task", "generate_tasks", "reserved_structure",
+           "split_size", "structure_split", "task_set", "unreserved_train_indices"]
 
 Value = int | str | list[int] | list[str]
 BUG_KINDS = ("off_by_one", "wrong_comparison", "missing_step", "wrong_constant")

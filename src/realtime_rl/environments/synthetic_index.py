@@ -9,6 +9,9 @@ bijections, so distinct indices below `split_size` give distinct tasks.
 
 A structure (`filter:gt -> map:mul -> reduce:sum`) is held out when the sha256 of its name falls below
 HELDOUT_FRACTION: no held-out program shape is ever generated for training, whatever its constants.
+"reserved" names a fixed RESERVED_FRACTION of the train structures (another hash of the name): a
+pre-training that leaves them out (`PretrainConfig.reserve_structures`) lets RL practise on structures
+the base never saw, as the held-out ones, without touching the held-out split.
 
 This module only counts and picks; it renders nothing (synthetic.py does).
 """
@@ -18,7 +21,9 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,9 +31,12 @@ from realtime_rl.environments.synthetic_ops import (
     INPUT_TYPES, LAYOUTS, MAX_DEPTH, NAME_STYLES, PARAMETER_NAMES, Op, structure_name, structures,
 )
 
-Split = Literal["train", "heldout"]
+Split = Literal["train", "heldout", "reserved"]
 SPLITS: tuple[Split, ...] = ("train", "heldout")
+"""The partition of all structures; "reserved" is a part of "train"."""
+TASK_SETS: tuple[Split, ...] = (*SPLITS, "reserved")
 HELDOUT_FRACTION = 0.125
+RESERVED_FRACTION = 0.25
 WORDINGS = 2
 SURFACES = len(PARAMETER_NAMES["ints"]) * len(NAME_STYLES) * len(LAYOUTS) * WORDINGS
 assert all(len(names) == len(PARAMETER_NAMES["ints"]) for names in PARAMETER_NAMES.values())
@@ -38,6 +46,18 @@ def structure_split(structure: str) -> Split:
     """'heldout' for a stable ~HELDOUT_FRACTION of structure names, 'train' for the rest."""
     digest = hashlib.sha256(structure.encode()).digest()
     return "heldout" if int.from_bytes(digest[:8], "big") < HELDOUT_FRACTION * 2**64 else "train"
+
+
+def reserved_structure(structure: str) -> bool:
+    """True for a stable ~RESERVED_FRACTION of the train structures (never a held-out one)."""
+    digest = hashlib.sha256(f"reserved/{structure}".encode()).digest()
+    return (structure_split(structure) == "train"
+            and int.from_bytes(digest[:8], "big") < RESERVED_FRACTION * 2**64)
+
+
+def task_set(structure: str) -> Split:
+    """The narrowest task set holding a structure: "heldout", "reserved" or "train"."""
+    return "reserved" if reserved_structure(structure) else structure_split(structure)
 
 
 @dataclass(frozen=True)
@@ -68,7 +88,8 @@ def _pools(split: Split) -> dict[tuple[int, str], _Pool]:
     grouped: dict[tuple[int, str], list[tuple[Op, ...]]] = {
         (d, t): [] for d in range(1, MAX_DEPTH + 1) for t in INPUT_TYPES}
     for ops in structures():
-        if structure_split(structure_name(ops)) == split:
+        name = structure_name(ops)
+        if structure_split(name) == split or (split == "reserved" and reserved_structure(name)):
             grouped[(len(ops), ops[0].takes)].append(ops)
     pools = {}
     for key, members in grouped.items():
@@ -80,8 +101,8 @@ def _pools(split: Split) -> dict[tuple[int, str], _Pool]:
 
 
 def check_arguments(split: str, difficulty: int | None) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if split not in TASK_SETS:
+        raise ValueError(f"split must be one of {TASK_SETS}, got {split!r}")
     if difficulty is not None and not (isinstance(difficulty, int) and 1 <= difficulty <= MAX_DEPTH):
         raise ValueError(f"difficulty must be 1..{MAX_DEPTH} or None, got {difficulty!r}")
 
@@ -95,6 +116,16 @@ def split_size(split: Split = "train", difficulty: int | None = None) -> int:
     """How many distinct tasks `generate_task` gives for this split (and difficulty)."""
     check_arguments(split, difficulty)
     return sum(_pools(split)[key].programs for key in _pool_keys(difficulty)) * SURFACES
+
+
+def unreserved_train_indices(seed: int, difficulty: int) -> Iterator[int]:
+    """The train indices of one difficulty whose structure is not reserved, in order, cycling at the end."""
+    size = split_size("train", difficulty)
+    if split_size("reserved", difficulty) == size:
+        raise ValueError(f"every train structure of difficulty {difficulty} is reserved")
+    for i in itertools.cycle(range(size)):
+        if not reserved_structure(structure_name(pick(i, "train", seed, difficulty).ops)):
+            yield i
 
 
 def count_distinct_tasks() -> int:

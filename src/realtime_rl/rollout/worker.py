@@ -30,7 +30,7 @@ from realtime_rl.environments import Sandbox, WarmPool, generate_task, grade, lo
 from realtime_rl.environments.grading import GradeCache
 from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.environments.policies import task_seed
-from realtime_rl.environments.synthetic import split_size
+from realtime_rl.environments.synthetic import SyntheticTask, split_size
 from realtime_rl.model import load_checkpoint
 from realtime_rl.types import Episode
 
@@ -46,6 +46,13 @@ class GroupJob:
     seed: int
     started_version: int
     """The trainer's version when the orchestrator admitted the group (for staleness accounting)."""
+
+
+def job_task(job: GroupJob, rollout: RolloutConfig) -> SyntheticTask:
+    """The synthetic task of a group: task_index of rollout.split at the job's difficulty, wrapping around
+    past the end of that pool."""
+    index = job.task_index % split_size(rollout.split, job.difficulty)
+    return generate_task(index, rollout.split, rollout.task_seed, difficulty=job.difficulty)
 
 
 class _LatentPolicy:
@@ -89,9 +96,7 @@ class RolloutWorker:
         self.engine.update_weights(state, version)
 
     def run_group(self, job: GroupJob) -> list[Episode]:
-        index = job.task_index % split_size("train", job.difficulty)  # past the pool's end: wrap around
-        synthetic = generate_task(index, "train", self.config.task_seed, difficulty=job.difficulty)
-        task = load_task(synthetic.write(self._tasks_dir / job.group_id))
+        task = load_task(job_task(job, self.config).write(self._tasks_dir / job.group_id))
         agent = self.config.agent
 
         def one(i: int) -> Episode:

@@ -23,11 +23,13 @@ token layout the policy will see later):
 Solutions are written without the stub's docstring (it restates the instructions: tokens to generate
 that no test checks). The loss mask marks the assistant tokens, so pre-training learns to act, not to
 predict observations. The expert fraction sets how good the base model is: RL later sharpens it toward
-the expert. Only the train split is used; held-out structures never appear.
+the expert. Only the train split is used; held-out structures never appear, nor the reserved ones where
+`reserve_structures` keeps them for RL.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -41,6 +43,7 @@ from realtime_rl.config import AgentConfig
 from realtime_rl.environments import SyntheticTask, WarmPool, generate_task, run_episode
 from realtime_rl.environments.agent_loop import first_turn_messages
 from realtime_rl.environments.policies import ScriptedPolicy
+from realtime_rl.environments.synthetic import unreserved_train_indices
 from realtime_rl.environments.synthetic_ops import NAME_STYLES, OPS
 from realtime_rl.environments.tasks import Task
 from realtime_rl.environments.tools import QUESTION_TOOL, TOOL_SCHEMAS, Tools, Workspace
@@ -200,12 +203,19 @@ def renamed(task: SyntheticTask, name: str) -> SyntheticTask:
     return SyntheticTask(task.slug, files, config["rtrl"])
 
 
-def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0) -> Iterator[Task]:
+def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0,
+                    reserve_structures: bool = False) -> Iterator[Task]:
     """Train-split tasks start..start+count-1 (difficulty cycles 1..max_difficulty), in memory; a
-    RENAME_FRACTION of them renamed at random."""
-    for i in range(start, start + count):
+    RENAME_FRACTION of them renamed at random. reserve_structures: skip the reserved structures' tasks
+    (left for RL), cycling through a difficulty's other tasks when they run out."""
+    indices = {d: unreserved_train_indices(seed, d) if reserve_structures else itertools.count()
+               for d in range(1, max_difficulty + 1)}
+    for i in range(start + count):
         difficulty = 1 + i % max_difficulty
-        task = generate_task(i // max_difficulty, "train", seed, difficulty=difficulty)
+        index = next(indices[difficulty])
+        if i < start:
+            continue
+        task = generate_task(index, "train", seed, difficulty=difficulty)
         rng = random.Random(f"rename/{seed}/{i}")
         if rng.random() < RENAME_FRACTION:
             words = rng.sample(NAME_WORDS, rng.randint(1, 3))

@@ -54,7 +54,7 @@ MICRO_BATCH_TOKENS = 4096
 TOKENIZER_TASKS = 2000
 """Tasks whose rendered episodes train the tokenizer (more add no merges worth having)."""
 CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "episode_expert_fraction",
-                 "fix_rate", "question_fraction", "followup_fraction", "tokenizer")
+                 "fix_rate", "question_fraction", "followup_fraction", "tokenizer", "reserve_structures")
 RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
 """Fields that do not change the weights a run ends with."""
 
@@ -88,7 +88,8 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
             data["expert"])]
         return tokenizer, docs
     rng = random.Random(config.seed)
-    tasks = list(synthetic_tasks(config.num_tasks, config.max_difficulty, config.seed))
+    tasks = list(synthetic_tasks(config.num_tasks, config.max_difficulty, config.seed,
+                                 reserve_structures=config.reserve_structures))
     episodes = max(1, round(config.episode_fraction * len(tasks))) if config.episode_fraction > 0 else 0
     tokenizer = Tokenizer.train(tokenizer_texts(tasks[:TOKENIZER_TASKS], rng), vocab_size=config.tokenizer.vocab_size)
     with WarmPool(SandboxConfig(pool_size=2)) as pool:
