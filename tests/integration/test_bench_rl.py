@@ -51,6 +51,9 @@ def test_unseen_train_tasks_start_past_what_pretraining_generated(tmp_path):
     (tmp_path / "pretrain.json").write_text(
         '{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3, "reserve_structures": true}}')
     assert unseen_train_tasks(tmp_path, 10, 2) == {"split": "reserved", "start": 0, "seed": 3}
+    assert unseen_train_tasks(tmp_path, 10, 2, "reserved") == {"split": "reserved", "start": 0, "seed": 3}
+    (tmp_path / "pretrain.json").write_text('{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3}}')
+    assert unseen_train_tasks(tmp_path, 10, 2, "reserved") is None  # which reserved tasks it saw is unknown
 
 
 def test_recipe_overrides_come_after_the_quick_sizes(tmp_path, monkeypatch):

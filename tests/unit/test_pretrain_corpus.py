@@ -58,10 +58,11 @@ def test_a_corpus_that_reserves_structures_leaves_out_exactly_theirs():
     assert plain == [f"syn-train-d{1 + i % 2}-{i // 2:06d}" for i in range(40)]  # unchanged when none is reserved
     tasks = list(synthetic_tasks(200, max_difficulty=2, seed=0, reserve_structures=True))
     assert {task_set(task.metadata["structure"]) for task in tasks} == {"train"}
-    assert len({task.task_id for task in tasks}) == 200
-    kept = sum(not reserved_structure(generate_task(i // 2, "train", 0, difficulty=1 + i % 2).metadata["structure"])
-               for i in range(200))
-    assert kept < 200  # reserved tasks were skipped, not renamed
+    kept = {d: [i for i in range(400) if not reserved_structure(
+        generate_task(i, "train", 0, difficulty=d).metadata["structure"])][:100] for d in (1, 2)}
+    assert [task.task_id for task in tasks] == [f"syn-train-d{1 + i % 2}-{kept[1 + i % 2][i // 2]:06d}"
+                                                for i in range(200)]  # every other task in order, none skipped
+    assert kept[1][-1] > 99 and kept[2][-1] > 99  # and some were reserved
     later = [task.task_id for task in synthetic_tasks(20, max_difficulty=2, seed=0, start=180, reserve_structures=True)]
     assert later == [task.task_id for task in tasks[180:]]
 
@@ -253,6 +254,7 @@ def test_config_hash_ignores_where_a_run_goes_but_not_what_it_trains():
                                                                      "log_every": 3, "checkpoint_every": 7}))
     assert config_hash(base) != config_hash(base.model_copy(update={"lr": base.lr / 2}))
     assert config_hash(base) != config_hash(base.model_copy(update={"episode_fraction": base.episode_fraction / 2}))
+    assert config_hash(base) != config_hash(base.model_copy(update={"reserve_structures": True}))
 
 
 def test_the_config_defaults_are_the_default_recipe():

@@ -12,8 +12,8 @@ they measure what transfers.
 `*_pass_at_1_train_structures` measure the same before and after on 200 fresh tasks of the structures RL
 trains on (train split, indices the base's pre-training never generated; `None` when the checkpoint has
 no pretrain.json to say which): whether RL learned at all, apart from whether that transfers. For a base
-built with `reserve_structures` they are reserved tasks (`train_structures_split`), the structures
-`--set rollout.split=reserved` trains on and the base never saw.
+built with `reserve_structures` they are reserved tasks (`train_structures_split`), structures the base never
+saw, which `--set rollout.split=reserved` trains on (and the recipe does not).
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `base_greedy_pass_at_1` is the base on the same tasks at temperature 0: roughly what sharpening the base's
@@ -71,18 +71,25 @@ def smoke_base(run_dir: Path) -> Path:
     return Path(result["checkpoint"])
 
 
-def unseen_train_tasks(base: Path, num_tasks: int, max_difficulty: int) -> dict[str, int] | None:
+def unseen_train_tasks(base: Path, num_tasks: int, max_difficulty: int, rollout_split: str = "train"
+                       ) -> dict[str, int] | None:
     """Arguments of heldout_pass_at_1 for num_tasks train-split tasks that pre-training of `base` never
     generated (it wrote tasks 0 .. ceil(num_tasks / max_difficulty) - 1 of each difficulty, train/corpus.py),
     or None when base has no pretrain.json or the split has too few tasks past those. A base built with
-    `reserve_structures` never saw the reserved structures, which RL with rollout.split = "reserved" trains on
-    (from rollout.first_task on): their tasks 0, 1, ... of each difficulty."""
+    `reserve_structures` never saw the reserved structures: its second evaluation is of their tasks 0, 1, ...
+    of each difficulty, whichever split RL draws (with "train", pre-training cycled through every other
+    difficulty-1 task, none of them fresh). RL on reserved structures from a base that saw them: None, as which
+    of their tasks pre-training wrote is not recorded."""
     record = base / "pretrain.json"
     if not record.is_file():
         return None
     built = json.loads(record.read_text())["config"]
     if built.get("reserve_structures"):
+        if num_tasks > min(split_size("reserved", d) for d in range(1, max_difficulty + 1)):
+            return None
         return {"split": "reserved", "start": 0, "seed": built["seed"]}
+    if rollout_split != "train":
+        return None
     start = math.ceil(built["num_tasks"] / built["max_difficulty"])
     if start + num_tasks > min(split_size("train", d) for d in range(1, max_difficulty + 1)):
         return None
@@ -154,7 +161,7 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         base_build_minutes = (time.perf_counter() - t0) / 60
         difficulty = config.rollout.max_difficulty
         num_tasks, num_train = (4, 4) if quick else (EVAL_TASKS, TRAIN_STRUCTURE_TASKS)
-        unseen = unseen_train_tasks(base, num_train, difficulty)
+        unseen = unseen_train_tasks(base, num_train, difficulty, config.rollout.split)
         before = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty)
         greedy = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty,
                                    agent=EVAL_AGENT.model_copy(update={"temperature": 0.0}))

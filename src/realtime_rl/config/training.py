@@ -40,7 +40,8 @@ class PretrainConfig(StrictModel):
     reserve_structures: bool = False
     """Leave the reserved train structures (synthetic_index.RESERVED_FRACTION of them) out of the corpus, so
     that RL with `rollout.split = "reserved"` practises on structures the base never saw, as held-out ones.
-    Where a difficulty's other tasks run out (difficulty 1: ~6,900 tasks), the corpus cycles through them."""
+    Where a difficulty's other tasks run out, the corpus cycles through them: difficulty 1 keeps 5,256 of its 6,912
+    tasks, so the default recipe's 6,500 difficulty-1 documents repeat ~1,250 of them."""
     expert_fraction: float = Field(0.8, ge=0.0, le=1.0)
     """Share of first-turn documents that write the reference solution; the rest write a novice variant."""
     episode_expert_fraction: float = Field(0.3, ge=0.0, le=1.0)
@@ -169,7 +170,9 @@ class RolloutConfig(StrictModel):
     task_seed: int = 0
     """Seed of the synthetic task generator (the pre-training recipe's seed)."""
     first_task: int = Field(100_000, ge=0)
-    """Index of the first train task used for RL (past those pre-training saw; wraps at a difficulty's pool size)."""
+    """Index of the first train task used for RL (past those pre-training saw; wraps at a difficulty's pool size).
+    With split "reserved" it indexes the reserved tasks (1,656 of difficulty 1: RL starts at 640 and reaches the
+    reserved tasks `rtrl bench learn` evaluates, 0-99, after ~1,000 difficulty-1 groups)."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Sampling temperature of rollouts."""
     tool_latency_s: float = Field(0.0, ge=0.0, le=600.0)

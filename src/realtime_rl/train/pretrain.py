@@ -63,15 +63,24 @@ def _hash(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def _hashed_fields(config: PretrainConfig) -> dict[str, Any]:
+    """The config as hashed: a field added later is left out at the value that builds what came before it, so
+    bases and corpora cached before it keep their hashes."""
+    fields = config.model_dump(mode="json")
+    if not fields["reserve_structures"]:
+        del fields["reserve_structures"]
+    return fields
+
+
 def _corpus_key(config: PretrainConfig) -> str:
-    fields = {k: v for k, v in config.model_dump(mode="json").items() if k in CORPUS_FIELDS}
+    fields = {k: v for k, v in _hashed_fields(config).items() if k in CORPUS_FIELDS}
     return _hash({**fields, "format": CORPUS_FORMAT})
 
 
 def config_hash(config: PretrainConfig) -> str:
     """Identifies the model a config builds: every field except where and how verbosely it runs (and
     the corpus format)."""
-    fields = {k: v for k, v in config.model_dump(mode="json").items() if k not in RUN_ONLY_FIELDS}
+    fields = {k: v for k, v in _hashed_fields(config).items() if k not in RUN_ONLY_FIELDS}
     return _hash({**fields, "corpus_format": CORPUS_FORMAT})
 
 
