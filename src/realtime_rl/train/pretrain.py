@@ -57,6 +57,9 @@ CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "exp
                  "fix_rate", "question_fraction", "followup_fraction", "tokenizer", "reserve_structures")
 RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
 """Fields that do not change the weights a run ends with."""
+LATER_FIELDS = {"reserve_structures": False}
+"""Fields added after bases were cached, with the value that builds what came before them: hashed only at
+another value, so those bases and corpora keep their hashes."""
 
 
 def _hash(fields: dict[str, Any]) -> str:
@@ -64,12 +67,8 @@ def _hash(fields: dict[str, Any]) -> str:
 
 
 def _hashed_fields(config: PretrainConfig) -> dict[str, Any]:
-    """The config as hashed: a field added later is left out at the value that builds what came before it, so
-    bases and corpora cached before it keep their hashes."""
-    fields = config.model_dump(mode="json")
-    if not fields["reserve_structures"]:
-        del fields["reserve_structures"]
-    return fields
+    """The config as hashed: LATER_FIELDS left out at their earlier value."""
+    return {k: v for k, v in config.model_dump(mode="json").items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
 
 
 def _corpus_key(config: PretrainConfig) -> str:
