@@ -57,6 +57,17 @@ def _model(seed: int = 0) -> Qwen3ForCausalLM:
     return model
 
 
+def _logprobs_and_grads(trainer: RLTrainer, batches: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The trained targets' logprobs over `batches` and the gradient of their advantage-weighted sum."""
+    trainer.model.zero_grad()
+    lps = []
+    for batch in batches:
+        lp, _ = trainer._logprobs(batch)
+        (lp * batch.advantages).sum().backward()
+        lps.append(lp.detach())
+    return torch.cat(lps), [p.grad.clone() for p in trainer.model.parameters()]
+
+
 def test_reward_goes_up_with_router_replay_and_matching_logprobs(tmp_path):
     model = _model()
     trainer = RLTrainer(model, None, RLConfig(lr=1e-2, group_size=8, groups_per_step=4), tmp_path)
@@ -109,21 +120,12 @@ def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_r
             versions=np.array([-1] * n + s.versions[:k], dtype=np.int32),
             routing=np.concatenate([s.routing[: n + k - 1], np.zeros_like(s.routing[:1])])), 1.0 - 0.5 * s.index))
 
-    def run(batches):
-        model.zero_grad()
-        lps = []
-        for batch in batches:
-            lp, _ = trainer._logprobs(batch)
-            (lp * batch.advantages).sum().backward()
-            lps.append(lp.detach())
-        return torch.cat(lps), [p.grad.clone() for p in model.parameters()]
-
     shared = trainer._batch(micro)
     assert shared.prefix == len(prompt) - 1  # the prompt but its last token, which predicts a trained one
     separate = [trainer._batch([it]) for it in micro]
     assert all(b.prefix == 0 for b in separate)
-    lp_shared, grads_shared = run([shared])
-    lp_separate, grads_separate = run(separate)
+    lp_shared, grads_shared = _logprobs_and_grads(trainer, [shared])
+    lp_separate, grads_separate = _logprobs_and_grads(trainer, separate)
     torch.testing.assert_close(lp_shared, lp_separate, atol=1e-5, rtol=0)
     torch.testing.assert_close(lp_shared, shared.behaviour, atol=1e-5, rtol=0)  # the engine's, under replay
     for g, h in zip(grads_shared, grads_separate):
@@ -146,6 +148,46 @@ def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_r
     batches = _micro_batches(micro, 8192, by_version=True)
     assert [sorted(int(s.versions[-1]) for s, _ in b) for b in batches] == [[0, 0], [1, 1]]
     assert len(_micro_batches(micro, 8192)) == 1
+
+
+@pytest.mark.parametrize("system_len", [20, 0])
+def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, system_len):
+    """Two groups whose prompts share a first part (or none): that part runs once for the micro-batch, each
+    group's own part once for its rows, and the logprobs and gradients are those of separate rows."""
+    model = _model()
+    trainer = RLTrainer(model, None, RLConfig(), tmp_path)
+    engine = Engine(_model(), max_batch=32, max_seq_len=96)
+    engine.update_weights(trainer.weights(), 0)
+    system = list(range(40, 40 + system_len))
+    prompts = [system + list(range(100, 120)), system + list(range(200, 224))]
+    micro = []
+    for g, prompt in enumerate(prompts):
+        [req] = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=g,
+                                                         ignore_eos=True))
+        for s in req.samples:
+            n, k = len(prompt), 3 + s.index
+            micro.append((Segment(
+                token_ids=np.array(prompt + s.token_ids[:k], dtype=np.int32),
+                loss_mask=np.array([False] * n + [True] * k),
+                logprobs=np.array([0.0] * n + s.logprobs[:k], dtype=np.float32),
+                versions=np.array([-1] * n + s.versions[:k], dtype=np.int32),
+                routing=np.concatenate([s.routing[: n + k - 1], np.zeros_like(s.routing[:1])])),
+                1.0 - 0.5 * s.index + g))
+    random.Random(0).shuffle(micro)
+    [packed] = _micro_batches(micro, 8192, by_version=True)
+    batch = trainer._batch(packed)
+    assert batch.prefix == len(system)
+    assert sorted((end - first, q) for first, end, q, _ in batch.clusters) == [(3, len(p) - 1) for p in prompts]
+    # Computed once: the system prompt, then each group's rest of its prompt (19, 23 inputs); then per row its
+    # last prompt token and its generated tokens but the last, padded to its group's longest (5).
+    assert batch.positions == (len(system) + 19 + 23 + 6 * 5, 6 * (len(prompts[1]) + 4))
+
+    lp_shared, grads_shared = _logprobs_and_grads(trainer, [batch])
+    lp_separate, grads_separate = _logprobs_and_grads(trainer, [trainer._batch([it]) for it in packed])
+    torch.testing.assert_close(lp_shared, lp_separate, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp_shared, batch.behaviour, atol=1e-5, rtol=0)  # the engine's, under replay
+    for g, h in zip(grads_shared, grads_separate):
+        torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-3)
 
 
 def test_each_segment_trains_with_the_episode_advantage(tmp_path):

@@ -4,11 +4,17 @@
     model.hidden_states(ids[:1, :P], shared_prefix=prefix)                    # one row: records each layer's K/V
     h, _ = model.hidden_states(ids[:, P:], positions, shared_prefix=prefix)   # every row attends to them
 
+    task = prefix.extended()                                                  # a longer prefix some rows share
+    model.hidden_states(ids[:1, P:Q], positions, shared_prefix=task)          # one row continues the first ...
+    h, _ = model.hidden_states(ids[:8, Q:], positions, shared_prefix=task)    # ... and those rows continue it
+
 In the second call each row's queries attend to the prefix's keys and values (read as an expanded view,
 never copied per row before attention) and causally to their own. Autograd sums the rows' gradients
 back into the one prefix computation, so the loss and its gradient equal those of B full-length
 forwards, up to float summation order, at the cost of one prefix plus B suffixes. In the live loop every
-reply shares the system prompt and the tool schemas (about three quarters of a trained sequence).
+reply shares the system prompt and the tool schemas (about three quarters of a trained sequence), and the
+replies of one GRPO group share their task's prompt as well: `extended` records that longer prefix once
+per group, from one row that attends to the shorter one.
 
 On CPU a row's attention runs as two flash-attention calls, one over the prefix (no mask) and one causal
 over its own keys, merged by their log-sum-exps (`prefix_attention`); the backward gives each call the
@@ -34,11 +40,20 @@ _flash_cpu_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 
 
 class SharedPrefix:
-    def __init__(self) -> None:
+    def __init__(self, parent: SharedPrefix | None = None) -> None:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.length: int | None = None
         """Prefix length once recorded."""
+        self.parent = parent
+        """The shorter prefix this one continues (`extended`)."""
+
+    def extended(self) -> SharedPrefix:
+        """A longer prefix that continues this recorded one: its first forward is one row starting where this
+        prefix ends (attending to it), and later rows attend to both parts as one prefix."""
+        if self.length is None:
+            raise ValueError("only a recorded prefix can be extended")
+        return SharedPrefix(parent=self)
 
     def begin(self, positions_BT: torch.Tensor) -> _Record | _Extend:
         """The step of one forward: record the prefix (first call), or continue it in every row."""
@@ -46,7 +61,10 @@ class SharedPrefix:
         if self.length is None:
             if B != 1:
                 raise ValueError(f"a shared prefix is recorded from one row, got {B}")
-            self.length = T
+            start = 0 if self.parent is None else self.parent.length
+            if int(positions_BT[0, 0]) != start:
+                raise ValueError(f"a prefix continuing one of {start} tokens must start at position {start}")
+            self.length = start + T
             return _Record(self)
         P = self.length
         if int(positions_BT[:, 0].min()) != P or int(positions_BT[:, 0].max()) != P:
@@ -60,8 +78,14 @@ class _Record:
 
     def attend(self, layer_idx: int, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor
                ) -> torch.Tensor:
-        self.prefix.keys[layer_idx], self.prefix.values[layer_idx] = k_BKTD, v_BKTD
-        return F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, is_causal=True, enable_gqa=True)
+        parent = self.prefix.parent
+        if parent is None:
+            self.prefix.keys[layer_idx], self.prefix.values[layer_idx] = k_BKTD, v_BKTD
+            return F.scaled_dot_product_attention(q_BHTD, k_BKTD, v_BKTD, is_causal=True, enable_gqa=True)
+        k_parent, v_parent = parent.keys[layer_idx], parent.values[layer_idx]
+        self.prefix.keys[layer_idx] = torch.cat([k_parent, k_BKTD], dim=2)
+        self.prefix.values[layer_idx] = torch.cat([v_parent, v_BKTD], dim=2)
+        return prefix_attention(q_BHTD, k_parent, v_parent, k_BKTD, v_BKTD)
 
 
 @dataclass
