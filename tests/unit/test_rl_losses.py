@@ -97,3 +97,23 @@ def test_kl_to_reference_pulls_back():
     loss.backward()
     assert sums["kl_ref"] > 0
     assert x.grad[0] > 0 and x.grad[1] < 0  # descent lowers the token the reference likes less
+
+
+@pytest.mark.parametrize("coef", [-0.5, 0.5])
+def test_the_entropy_term_sharpens_or_spreads_the_distribution(coef):
+    """A negative entropy_coef moves probability onto the likeliest token; a positive one away from it. Zero
+    advantages: the entropy term is the whole step."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True)
+    logp = torch.log_softmax(logits, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    lp = logp[:, 0]
+    loss, _ = policy_loss(lp, lp.detach(), lp.detach(), torch.zeros(1), 1, LossConfig(entropy_coef=coef),
+                          entropy_N=entropy)
+    loss.backward()
+    with torch.no_grad():
+        stepped = torch.softmax(logits - 0.5 * logits.grad, -1)
+        after = -(stepped * stepped.log()).sum()
+    assert (after < entropy if coef < 0 else after > entropy)
+    assert (stepped[0, 0] > logp.exp()[0, 0]) == (coef < 0)
+    with pytest.raises(ValueError, match="no entropy"):
+        policy_loss(lp, lp.detach(), lp.detach(), torch.zeros(1), 1, LossConfig(entropy_coef=coef))

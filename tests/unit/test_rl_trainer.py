@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -152,20 +153,22 @@ def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_r
 
 @pytest.mark.parametrize("system_len", [20, 0])
 def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, system_len):
-    """Two groups whose prompts share a first part (or none): that part runs once for the micro-batch, each
-    group's own part once for its rows, and the logprobs and gradients are those of separate rows."""
+    """Two groups whose prompts share a first part (or none) with two lone rows: that part runs once for the
+    micro-batch, each group's own part once for its rows, the lone rows in one forward, and the logprobs and
+    gradients are those of separate rows."""
     model = _model()
     trainer = RLTrainer(model, None, RLConfig(), tmp_path)
     engine = Engine(_model(), max_batch=32, max_seq_len=96)
     engine.update_weights(trainer.weights(), 0)
     system = list(range(40, 40 + system_len))
-    prompts = [system + list(range(100, 120)), system + list(range(200, 224))]
+    prompts = [(system + list(range(100, 120)), 3), (system + list(range(200, 224)), 3),
+               (system + list(range(300, 318)), 1), (system + list(range(400, 421)), 1)]
     micro = []
-    for g, prompt in enumerate(prompts):
-        [req] = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=g,
-                                                         ignore_eos=True))
+    for g, (prompt, n_samples) in enumerate(prompts):
+        [req] = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, n=n_samples, seed=g,
+                                                               ignore_eos=True))
         for s in req.samples:
-            n, k = len(prompt), 3 + s.index
+            n, k = len(prompt), 3 + s.index + g % 2
             micro.append((Segment(
                 token_ids=np.array(prompt + s.token_ids[:k], dtype=np.int32),
                 loss_mask=np.array([False] * n + [True] * k),
@@ -177,11 +180,12 @@ def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, sy
     [packed] = _micro_batches(micro, 8192, by_version=True)
     batch = trainer._batch(packed)
     assert batch.prefix == len(system)
-    assert sorted((end - first, q) for first, end, q, _ in batch.clusters) == [(3, len(p) - 1) for p in prompts]
-    # Computed once: the system prompt, then each group's rest of its prompt (19, 23 inputs); then per row its
-    # last prompt token and its generated tokens but the last, padded to its group's longest (5).
-    assert batch.positions == (len(system) + 19 + 23 + 6 * 5, 6 * (len(prompts[1]) + 4))
-
+    # One forward per group, continuing its prompt but the last token; one for the lone rows, continuing the prefix.
+    assert sorted((len(rows), q) for rows, q, _ in batch.calls) == sorted([(3, len(system) + 19), (3, len(system) + 23),
+                                                                          (2, len(system))])
+    # Computed: the system prompt once, each group's rest of its prompt once (19, 23 inputs); then each row from
+    # where its forward starts to its forward's longest row (groups: 5 and 6 inputs; lone rows: 21 + 4 - 1).
+    assert batch.positions[0] == len(system) + 19 + 23 + 3 * 5 + 3 * 6 + 2 * 24
     lp_shared, grads_shared = _logprobs_and_grads(trainer, [batch])
     lp_separate, grads_separate = _logprobs_and_grads(trainer, [trainer._batch([it]) for it in packed])
     torch.testing.assert_close(lp_shared, lp_separate, atol=1e-5, rtol=0)
@@ -215,6 +219,29 @@ def test_negative_weight_scales_what_failed_and_zero_learns_only_from_what_worke
     assert metrics[0.0]["train/trained_sequences"] == len(above)  # below-baseline episodes: no forward at all
     with pytest.raises(ValueError):
         RLConfig(negative_weight=1.5)
+
+
+def test_entropy_coef_trains_every_episode_and_a_negative_one_sharpens_the_policy(tmp_path):
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    trainers = {c: RLTrainer(_model(), None, RLConfig(group_size=8, lr=1e-2, entropy_coef=c), tmp_path / str(c))
+                for c in (0.0, -1.0)}
+    engine.update_weights(trainers[0.0].weights(), 0)
+
+    def entropy(model: Qwen3ForCausalLM) -> float:
+        with torch.no_grad():
+            logp = [torch.log_softmax(model(torch.tensor([p])).logits_BTV[0, -1], -1) for p in PROMPTS]
+        return float(torch.stack([-(lp.exp() * lp).sum() for lp in logp]).mean())
+
+    before = entropy(trainers[0.0].model)
+    for step in range(3):
+        episodes = _episodes(engine, step)
+        signal = [e for e in episodes if len({x.passed for x in episodes if x.group_id == e.group_id}) > 1]
+        metrics = {c: t.step(copy.deepcopy(episodes)) for c, t in trainers.items()}
+        assert metrics[0.0]["train/trained_sequences"] == len(signal)
+        assert metrics[-1.0]["train/trained_sequences"] == len(episodes)  # groups without signal too
+    assert entropy(trainers[-1.0].model) < min(before, entropy(trainers[0.0].model)) - 0.05
+    with pytest.raises(ValueError):
+        RLConfig(entropy_coef=2.0)
 
 
 def test_episode_aggregation_changes_the_step_only_when_lengths_differ(tmp_path):

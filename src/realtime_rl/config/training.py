@@ -130,6 +130,10 @@ class RLConfig(StrictModel):
     """IcePop: tokens whose behaviour->proximal ratio is above this are masked out."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of k3 KL to the reference (initial) policy; 0 skips the reference forward."""
+    entropy_coef: float = Field(0.0, ge=-1.0, le=1.0)
+    """Weight of the policy's mean token entropy in the objective (verl's entropy_coeff): positive keeps
+    exploring, negative sharpens the policy toward its own most likely choices (entropy minimisation). When
+    non-zero every generated token of the step carries it, groups without reward signal included."""
     router_replay: bool = True
     """R3: the trainer's forward uses the routing the engine recorded for each token (MoE models)."""
     micro_batch_tokens: int = Field(8192, ge=64)

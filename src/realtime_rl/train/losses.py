@@ -13,6 +13,7 @@ Three policies meet in one token t of a generated segment (all logprobs of the s
     ratio_t   = exp(new_t - prox_t)     the PPO ratio, clipped to [1 - clip_low, 1 + clip_high]
 
     loss = -sum_t is_t * min(ratio_t * A_t, clip(ratio_t) * A_t) / num_tokens + kl_coef * k3(new, ref)
+           - entropy_coef * H_t / num_tokens       (H_t: the new policy's entropy at t; masked as IcePop masks)
 
 Aggregation is token-level (every trained token of the step weighs the same, DAPO), the divisor being
 the generated-token count of the step's episodes with a non-zero advantage (rl.py runs only those: the
@@ -80,13 +81,15 @@ class LossConfig:
     icepop_low: float = 0.5
     icepop_high: float = 2.0
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
 
 
 def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor, adv_N: torch.Tensor,
-                num_tokens: int, cfg: LossConfig, ref_N: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                num_tokens: int, cfg: LossConfig, ref_N: torch.Tensor | None = None,
+                entropy_N: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The summed (not yet averaged) loss of N generated tokens, divided by the step's num_tokens.
 
+    entropy_N: the new policy's entropy at each token (with gradient), needed when cfg.entropy_coef != 0.
     Returns (loss, sums) where sums are per-metric token sums (clipped, masked, k3 of behaviour vs
     proximal, KL to the reference), to be divided by num_tokens once all micro-batches are done.
     """
@@ -104,6 +107,10 @@ def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor
         kl_N = k3(new_N, ref_N.detach())  # tokens were drawn (approximately) from the current policy
         kl_sum = (kl_N.detach() * keep_N).sum()  # the metrics count the tokens the loss counts
         loss = loss + cfg.kl_coef * (kl_N * keep_N).sum() / num_tokens
+    if cfg.entropy_coef:
+        if entropy_N is None:
+            raise ValueError("entropy_coef is set but no entropy was given")
+        loss = loss - cfg.entropy_coef * (entropy_N * keep_N).sum() / num_tokens
     with torch.no_grad():
         sums = {
             "clip_fraction": (((ratio_N * adv_N) != surrogate_N) & keep_N).float().sum(),

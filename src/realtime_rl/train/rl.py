@@ -136,9 +136,10 @@ class _MicroBatch:
     routing_BTLK: torch.Tensor | None
     prefix: int
     """Leading input positions every row shares (computed once)."""
-    clusters: list[tuple[int, int, int, int]]
-    """(first row, end row, shared inputs, inputs of the longest row): runs of adjacent rows that share more
-    than `prefix` leading inputs (a GRPO group's prompt), computed once per run; a lone row shares `prefix`."""
+    calls: list[tuple[list[int], int, int]]
+    """The forwards that continue the prefix, as (rows, their shared inputs, their longest row's inputs): one per
+    run of adjacent rows sharing more than `prefix` leading inputs (a GRPO group's prompt, whose rest is then
+    computed once), and one for every other row, continuing `prefix` alone."""
     where_BT: torch.Tensor
     """The input positions (from `prefix` on) whose next token is trained."""
     targets: torch.Tensor
@@ -155,8 +156,7 @@ class _MicroBatch:
     def positions(self) -> tuple[int, int]:
         """Input positions the forward computes (each shared prefix once), and in the padded rows."""
         B, T = self.ids_BT.shape
-        computed = self.prefix + sum(q - self.prefix + (end - start) * (width - q)
-                                     for start, end, q, width in self.clusters)
+        computed = self.prefix + sum(q - self.prefix + len(rows) * (width - q) for rows, q, width in self.calls)
         return computed, B * T
 
 
@@ -192,7 +192,7 @@ class RLTrainer:
             for group, decay_rate in zip(self.optimizer.param_groups, (config.weight_decay, 0.0)):
                 group["betas"], group["weight_decay"] = tuple(config.betas), decay_rate
         self.loss_config = LossConfig(config.clip_low, config.clip_high, config.tis_cap, config.icepop_low,
-                                      config.icepop_high, config.kl_coef)
+                                      config.icepop_high, config.kl_coef, config.entropy_coef)
         self._route_dtype = routing_dtype(max(1, model.config.num_experts))
         self._replays = bool(config.router_replay and model.num_moe_layers)
 
@@ -266,8 +266,10 @@ class RLTrainer:
             adv = group_advantages(torch.tensor([rewards[e.episode_id] for e in members]),
                                    cfg.leave_one_out, cfg.std_normalize)
             adv = torch.where(adv < 0, adv * cfg.negative_weight, adv)
-            # zero-advantage episodes (and those that generated nothing) carry no gradient: skip their forward
-            trained += [(e, a) for e, a in zip(members, adv.tolist()) if a != 0.0 and e.num_generated]
+            # zero-advantage episodes (and those that generated nothing) carry no policy gradient: skip their
+            # forward, unless the entropy term covers them
+            trained += [(e, a) for e, a in zip(members, adv.tolist())
+                        if (a != 0.0 or cfg.entropy_coef) and e.num_generated]
         if cfg.loss_aggregation == "episode" and trained:
             scaled = length_normalized(torch.tensor([a for _, a in trained]),
                                        torch.tensor([e.num_generated for e, _ in trained]))
@@ -381,19 +383,21 @@ class RLTrainer:
         replay = routing is not None
         if B > 1:
             prefix = min(_shared_inputs(micro[0][0], seg, routing=replay) for seg, _ in micro[1:])
-        clusters = []
+        runs: list[tuple[list[int], int]] = []  # adjacent rows sharing MIN_CLUSTER_SHARED inputs past the prefix
         for b, (seg, _) in enumerate(micro):
-            if clusters:
-                start, _, q, width = clusters[-1]
-                shared = _shared_inputs(micro[start][0], seg, routing=replay)
+            if runs:
+                members, q = runs[-1]
+                shared = _shared_inputs(micro[members[0]][0], seg, routing=replay)
                 if shared - prefix >= MIN_CLUSTER_SHARED:
-                    clusters[-1] = (start, b + 1, min(q, shared), max(width, len(seg.token_ids) - 1))
+                    runs[-1] = (members + [b], min(q, shared))
                     continue
-            clusters.append((b, b + 1, len(seg.token_ids) - 1, len(seg.token_ids) - 1))
-        clusters = [(start, end, q if end - start > 1 else prefix, width) for start, end, q, width in clusters]
+            runs.append(([b], len(seg.token_ids)))
+        alone = [b for members, _ in runs if len(members) == 1 for b in members]
+        calls = [(members, q) for members, q in runs if len(members) > 1] + ([(alone, prefix)] if alone else [])
+        calls = [(rows, q, max(len(micro[b][0].token_ids) - 1 for b in rows)) for rows, q in calls]
         arrays = (targets, behaviour, advantages, fresh, temperature)
         dev = self.device
-        return _MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, clusters,
+        return _MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, calls,
                            where[:, prefix:].to(dev), *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays),
                            rows)
 
@@ -408,25 +412,28 @@ class RLTrainer:
         model = model or self.model
         ids, routing, P = batch.ids_BT, batch.routing_BTLK, batch.prefix
 
-        def forward(rows: slice, start: int, end: int, prefix: SharedPrefix | None) -> torch.Tensor:
-            positions = torch.arange(start, end, device=ids.device).expand(rows.stop - rows.start, -1)
-            return model.hidden_states(ids[rows, start:end], positions, shared_prefix=prefix,
-                                       replay_routing=None if routing is None else routing[rows, start:end])[0]
+        def forward(rows: list[int], start: int, end: int, prefix: SharedPrefix | None) -> torch.Tensor:
+            at = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else rows
+            positions = torch.arange(start, end, device=ids.device).expand(len(rows), -1)
+            return model.hidden_states(ids[at, start:end], positions, shared_prefix=prefix,
+                                       replay_routing=None if routing is None else routing[at, start:end])[0]
 
         shared = None
-        hidden = []
+        trained: list[torch.Tensor | None] = [None] * len(batch.rows)  # each row's trained positions' states
         with self._autocast():
             if P:
                 shared = SharedPrefix()
-                forward(slice(0, 1), 0, P, shared)
-            for first, end, q, width in batch.clusters:
+                forward([0], 0, P, shared)
+            for rows, q, width in batch.calls:
                 prefix = shared
                 if q > P:
                     prefix = SharedPrefix() if shared is None else shared.extended()
-                    forward(slice(first, first + 1), P, q, prefix)
-                rows_BTC = forward(slice(first, end), q, width, prefix)
-                hidden.append(rows_BTC[batch.where_BT[first:end, q - P:width - P]])
-            logits_NV = model.lm_head(torch.cat(hidden))
+                    forward(rows[:1], P, q, prefix)
+                hidden_BTC = forward(rows, q, width, prefix)
+                where_BT = batch.where_BT[rows, q - P:width - P]
+                for b, states in zip(rows, hidden_BTC[where_BT].split([batch.rows[b] for b in rows])):
+                    trained[b] = states
+            logits_NV = model.lm_head(torch.cat(trained))
         logits_NV = logits_NV.float() / batch.temperature[:, None]
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         return logp_NV.gather(-1, batch.targets[:, None])[:, 0], logp_NV
@@ -453,11 +460,13 @@ class RLTrainer:
         if self.reference is not None and self.config.kl_coef > 0:
             with torch.no_grad():
                 ref_lp, _ = self._logprobs(batch, self.reference)
+        with torch.set_grad_enabled(bool(self.config.entropy_coef)):
+            entropy_N = -(logp.exp() * logp).sum(-1)
         loss, sums = policy_loss(new_lp, prox_lp, batch.behaviour, batch.advantages, num_tokens, self.loss_config,
-                                 ref_lp)
+                                 ref_lp, entropy_N)
         loss.backward()
         with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum()
+            entropy = entropy_N.detach().sum()
             recomputed, engine = prox_lp[batch.fresh], batch.behaviour[batch.fresh]
             fresh_stats = (int(batch.fresh.sum()), float(k3(engine, recomputed).sum()),
                            float((recomputed - engine).abs().max()) if batch.fresh.any() else 0.0)
