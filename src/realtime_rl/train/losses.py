@@ -17,7 +17,8 @@ Three policies meet in one token t of a generated segment (all logprobs of the s
 
 Aggregation is token-level (every trained token of the step weighs the same, DAPO), the divisor being
 the generated-token count of the step's episodes with a non-zero advantage (rl.py runs only those: the
-others carry no policy gradient), so micro-batching does not change the gradient. The KL term covers the
+others carry no policy gradient; with entropy_coef set it runs every episode, for the entropy term), so
+micro-batching does not change the gradient. The KL term covers the
 same tokens: a group whose rewards are all equal adds nothing to the step, its KL included. Episode-level
 aggregation (verl's "seq-mean-token-mean") rescales each episode's advantage by the step's mean episode
 length over its own (`length_normalized`), so every episode weighs the same whatever its length.

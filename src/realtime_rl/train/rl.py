@@ -62,7 +62,7 @@ CONSUMED_VERSIONS = 16
 let `step` refuse an episode given again a few steps later."""
 
 
-MIN_CLUSTER_SHARED = 16
+MIN_RUN_SHARED = 16
 """Leading inputs rows must share beyond their micro-batch's prefix for `_batch` to compute them once per run
 of such rows (fewer is not worth the extra forward calls)."""
 
@@ -383,12 +383,12 @@ class RLTrainer:
         replay = routing is not None
         if B > 1:
             prefix = min(_shared_inputs(micro[0][0], seg, routing=replay) for seg, _ in micro[1:])
-        runs: list[tuple[list[int], int]] = []  # adjacent rows sharing MIN_CLUSTER_SHARED inputs past the prefix
+        runs: list[tuple[list[int], int]] = []  # adjacent rows sharing MIN_RUN_SHARED inputs past the prefix
         for b, (seg, _) in enumerate(micro):
             if runs:
                 members, q = runs[-1]
                 shared = _shared_inputs(micro[members[0]][0], seg, routing=replay)
-                if shared - prefix >= MIN_CLUSTER_SHARED:
+                if shared - prefix >= MIN_RUN_SHARED:
                     runs[-1] = (members + [b], min(q, shared))
                     continue
             runs.append(([b], len(seg.token_ids)))
