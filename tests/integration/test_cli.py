@@ -88,6 +88,7 @@ def test_bench_engine_quick_writes_json(tmp_path):
     rates = ("tokens_per_s", "eager_tokens_per_s_b32", "hf_tokens_per_s", "tokens_per_s_no_capture",
              "sampled_tokens_per_s")
     assert all(m[k] > 0 for k in rates) and m["swap_pause_ms"] > 0 and m["grpo_shared_s"] > 0
+    assert m["shared_cascade_ms"] > 0 and m["shared_long_own_ms"] > 0 and m["shared_long_cascade_speedup"] > 0
     assert m["sampling_cost"] < 1 and m["capture_overhead"] < 1 and m["speedup_vs_hf"] > 0
 
 

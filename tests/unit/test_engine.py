@@ -55,7 +55,7 @@ def test_rows_in_scattered_slots_decode_exactly(moe, monkeypatch, way):
             "rows": lambda slots, lengths: SlotRows(list(slots), list(lengths)),
             "gather": lambda slots, lengths: torch.tensor(list(slots))}
     monkeypatch.setattr(engine_module, "decode_slots",
-                        lambda slots, lengths, gather, device: ways[way](slots, lengths))
+                        lambda slots, lengths, gather, device, lineages: ways[way](slots, lengths))
     seen, begin = [], KVCache.begin
 
     def spy(self, slots, *args, **kwargs):
@@ -501,10 +501,13 @@ def test_a_new_sequence_never_gets_older_keys_values(moe):
     assert engine.prefix_hit_tokens == len(shared)
 
 
-def run_staggered(engine, arrivals, params):
-    """Add each prompt at its step (arrivals: [(step, prompt)]) and step until all finish; outputs in order."""
+def run_staggered(engine, arrivals, params, before_step=None):
+    """Add each prompt at its step (arrivals: [(step, prompt)]) and step until all finish; outputs in order.
+    `before_step(engine, step)` runs before each step's arrivals."""
     ids, results, step = {}, {}, 0
     while len(results) < len(arrivals):
+        if before_step is not None:
+            before_step(engine, step)
         for i, (at, prompt) in enumerate(arrivals):
             if at == step:
                 ids[engine.add_request(prompt, SamplingParams(**{**params, "seed": 10 * i}))] = i
@@ -536,6 +539,53 @@ def test_a_groups_episodes_share_one_prefill_and_in_flight_prompts_are_copied_ch
                                             arrivals, params))
 
 
+@pytest.mark.parametrize("by_row", [False, True])
+def test_decode_reads_the_prompts_rows_hold_alike_once_and_changes_nothing(moe, monkeypatch, by_row):
+    """Cascade decode attention: rows whose slots hold copies of one prefill (a request's samples, a group's
+    requests admitted together, a system prompt copied from a sequence in flight, across a weight swap) read
+    those keys/values once per decode step, nested (the system prompt for all, each task's prompt for its
+    group), and every token, logprob and routing is that of an engine that recomputes and reads every row's
+    own keys/values. The rest of each row's keys are read in one call or row by row."""
+    import dataclasses
+
+    import realtime_rl.engine.engine as engine_module
+    import realtime_rl.engine.slots as slots_module
+    from realtime_rl.model.kv_cache import SharedRows
+
+    monkeypatch.setattr(slots_module, "RUN_CALL_POSITIONS", 0)  # any run that saves a position is read once
+    seen: list[SharedRows] = []
+
+    def cascade_when_shared(slots, lengths, gather, device, lineages):
+        shared = lineages and slots_module.shared_runs(slots, lineages, lengths, device)
+        if shared:
+            seen.append(shared)
+            return dataclasses.replace(shared, by_row=by_row)
+        return slots_module.decode_slots(slots, lengths, gather, device)
+
+    monkeypatch.setattr(engine_module, "decode_slots", cascade_when_shared)
+    system, task_a, task_b, task_c = prompts(24, 5, 7, 6, seed=5)
+    arrivals = ([(0, system + task_a)] * 3 + [(0, task_c), (1, system + task_b), (1, system + task_b),
+                                             (3, system + task_a), (4, system + task_c)])
+    params = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def swap_at_step_5(engine, step):  # what is in flight keeps its keys/values, and they are still shared
+        if step == 5:
+            engine.update_weights({k: v.clone() for k, v in moe.named_parameters()}, version=1)
+
+    def run(**kwargs):
+        engine = Engine(moe, max_batch=10, max_seq_len=96, **kwargs)
+        return run_staggered(engine, arrivals, params, before_step=swap_at_step_5)
+
+    outs = run()
+    # The three first requests share their whole prompt; the later ones copy the system prompt (or all of a
+    # prompt but its last token) from sequences in flight: runs nest, the system prompt's first.
+    first = seen[0]
+    assert [(run.rows.tolist(), run.start, run.end) for run in first.levels[0]] == [([0, 1, 2], 0, 29)]
+    nested = [shared for shared in seen if len(shared.levels) >= 2]
+    assert nested and all(shared.levels[0][0].end == len(system) for shared in nested)
+    assert_same_samples(outs, run(prefix_caching=False, cascade_decode=False))
+
+
 def test_sequences_in_flight_lend_nothing_computed_by_older_weights(moe):
     engine = Engine(moe, max_batch=4, max_seq_len=96, prefix_max_age=2)
     shared = prompts(16)[0]
@@ -553,8 +603,9 @@ def test_the_grpo_batch_benchmark_times_both_ways(moe):
     from realtime_rl.bench.engine import grpo_batch_s
 
     m = grpo_batch_s(moe, repeats=1, groups=2, group_size=3, system_len=20, task_len=4, new_tokens=3)
-    assert m["grpo_shared_s"] > 0 and m["grpo_recomputed_s"] > 0
+    assert m["grpo_shared_s"] > 0 and m["grpo_copied_s"] > 0 and m["grpo_recomputed_s"] > 0
     assert m["grpo_sharing_speedup"] == pytest.approx(m["grpo_recomputed_s"] / m["grpo_shared_s"])
+    assert m["grpo_cascade_speedup"] == pytest.approx(m["grpo_copied_s"] / m["grpo_shared_s"])
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from realtime_rl.engine.slots import SlotTable, decode_slots
-from realtime_rl.model.kv_cache import SlotRows, SlotWindow
+from realtime_rl.engine.slots import SlotTable, decode_slots, shared_runs
+from realtime_rl.model.kv_cache import SharedRows, SlotRows, SlotWindow
 
 CPU = torch.device("cpu")
 
@@ -121,3 +121,56 @@ def test_decode_batch_reads_the_cache_the_cheapest_way():
     assert decode_slots([0, 9], [40, 40], gather=False, device=CPU).tolist() == [0, 9]
     # A compiled decode graph always gathers.
     assert decode_slots([4, 5, 6], [300, 2500, 800], gather=True, device=CPU).tolist() == [4, 5, 6]
+
+
+def test_slots_know_which_keys_values_they_hold_alike():
+    t = table(count=5)
+    assert [t.take(None, version=0) for _ in range(5)] == [(s, 0) for s in range(5)]
+    t.computed(0, 0, 2000)  # a system prompt
+    t.computed(0, 2000, 5000)  # ... and a long task prompt, prefilled later: one computation each
+    t.copied(0, 1, 5000)  # the group's second episode
+    t.copied(0, 2, 2000)  # another task copies the system prompt from the first, in flight ...
+    t.computed(2, 2000, 4500)  # ... and prefills its own task
+    t.computed(3, 0, 4500)  # the same tokens prefilled afresh: other keys/values, as far as the table knows
+    assert t.blocks[1] == t.blocks[0] and t.blocks[2][0] == t.blocks[0][0] and t.blocks[2][1] != t.blocks[0][1]
+    lengths = [5100, 5100, 4600, 4600]
+    shared = shared_runs([0, 1, 2, 3], [t.blocks[s] for s in range(4)], lengths, CPU)
+    assert [[(r.rows.tolist(), r.slot, r.start, r.end) for r in level] for level in shared.levels] == [
+        [([0, 1, 2], 0, 0, 2000)], [([0, 1], 0, 2000, 5000)]]
+    assert shared.starts == [5000, 5000, 2000, 0] and shared.first == 0
+    # A freed slot keeps what it held, its decoded tokens as their own computation; a taker that reuses part
+    # of it keeps that part and computes the rest.
+    t.release(1, list(range(5099)), None)
+    assert t.blocks[1][:2] == t.blocks[0][:2] and t.blocks[1][2][1] == 5099
+    slot, hit = t.take(list(range(5099)) + [5], version=0)
+    assert (slot, hit) == (1, 5099)
+    t.computed(1, hit, 5100)
+    assert t.blocks[1][:2] == t.blocks[0][:2] and len(t.blocks[1]) == 4
+    # Nothing alike, or a run whose saving is less than its call's cost: no runs.
+    assert shared_runs([0, 3], [t.blocks[0], t.blocks[3]], [5100, 4600], CPU) is None
+    t.copied(0, 4, 2000)
+    assert shared_runs([0, 4], [t.blocks[0], t.blocks[4]], [5100, 2001], CPU) is None
+
+
+def test_decode_reads_a_batch_of_groups_prompts_once():
+    t = table(count=32)
+    for group in range(4):
+        leader = 8 * group
+        t.computed(leader, 0, 690)
+        for s in range(leader + 1, leader + 8):
+            t.copied(leader, s, 690)
+    lineages = [t.blocks[s] for s in range(32)]
+    batch = decode_slots(list(range(32)), [760] * 32, gather=False, device=CPU, lineages=lineages)
+    assert isinstance(batch, SharedRows) and len(batch.levels) == 1 and len(batch.levels[0]) == 4
+    assert batch.starts == [690] * 32 and not batch.by_row
+    # Agent episodes later on: lengths far apart; the rest of each row's keys row by row.
+    lengths = [1000 + 50 * i for i in range(32)]
+    batch = decode_slots(list(range(32)), lengths, gather=False, device=CPU, lineages=lineages)
+    assert isinstance(batch, SharedRows) and batch.by_row and [len(r.rows) for r in batch.levels[0]] == [8] * 4
+    # Every other one of them: four episodes a group share too little to be worth a call a group.
+    slots = list(range(0, 32, 2))
+    assert isinstance(decode_slots(slots, lengths[::2], gather=False, device=CPU,
+                                   lineages=[t.blocks[s] for s in slots]), SlotRows)
+    # Without shared keys/values (or a compiled step) nothing changes.
+    assert decode_slots(list(range(32)), [760] * 32, gather=False, device=CPU) == 0
+    assert decode_slots(list(range(32)), [760] * 32, gather=True, device=CPU, lineages=lineages).shape == (32,)

@@ -42,6 +42,43 @@ def test_ragged_batch_decode_matches_each_sequence_alone(tiny_policy):
     torch.testing.assert_close(step[1, 0], alone_b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("slots,by_row", [([1, 2, 3, 5], False), ([2, 3, 4, 5], False), ([1, 2, 3, 5], True)])
+@pytest.mark.parametrize("kernel", ["flash", "matmul"])
+def test_cascade_attention_over_shared_runs_equals_each_rows_own_attention(slots, by_row, kernel, monkeypatch):
+    """Decode rows reading runs of keys/values their slots hold alike once (nested: three rows share 20
+    positions, two of them 10 more) and the rest from their own slots attend exactly as over their own,
+    with the CPU flash kernel or the plain one other devices run."""
+    import realtime_rl.model.kv_cache as kv_cache_module
+    from realtime_rl.model.kv_cache import SharedRows, SharedRun, masked_attention
+
+    if kernel == "matmul":
+        monkeypatch.setattr(kv_cache_module, "_flash_cpu", None)
+
+    config = tiny_config(moe=True)
+    cache = KVCache(config, num_slots=6, max_seq_len=64)
+    gen = torch.Generator().manual_seed(0)
+    for layer in cache.k_LSHPD + cache.v_LSHPD:
+        layer.copy_(torch.randn(layer.shape, generator=gen))
+    a, b, c, d = slots
+    cache.copy_prefix(a, b, 20)
+    cache.copy_prefix(b, c, 30)
+    positions_B1 = torch.tensor([[25], [40], [33], [10]])
+    shared = SharedRows(slots, [20, 30, 30, 0], [[SharedRun(torch.tensor([0, 1, 2]), a, 0, 20)],
+                                                 [SharedRun(torch.tensor([1, 2]), b, 20, 30)]],
+                        lengths=[26, 41, 34, 11], by_row=by_row)
+    H, K, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q, k, v = (torch.randn(4, n, 1, D, generator=gen) for n in (H, K, K))
+    out = cache.begin(shared, positions_B1).attend(0, q, k, v)
+    # Each row's own keys, its new one written at its position, the same way any decode step reads them.
+    expected = cache.begin(torch.tensor(slots), positions_B1).attend(0, q, k, v)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    L = 41
+    own_k = cache.k_LSHPD[0][:, :, :L].index_select(0, torch.tensor(slots))
+    own_v = cache.v_LSHPD[0][:, :, :L].index_select(0, torch.tensor(slots))
+    mask = torch.arange(L)[None, None, None, :] <= positions_B1[:, None, :, None]
+    torch.testing.assert_close(out, masked_attention(q, own_k, own_v, mask), atol=1e-6, rtol=0)
+
+
 def test_kv_cache_rejects_overflow(tiny_policy):
     cache = KVCache(tiny_policy.config, num_slots=1, max_seq_len=4)
     with pytest.raises(ValueError, match="exceeds the KV cache length"):

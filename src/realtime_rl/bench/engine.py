@@ -13,8 +13,13 @@ rollout worker's engine runs one (14 rows in slots 0-27, 300-3,000 cached tokens
 `ragged_rows_speedup` against the window, which the engine used before it chose by cost). Last, a
 rollout worker's batch of GRPO groups (4 tasks x 8 episodes, one ~690-token prompt per task of which 600
 tokens are a system prompt all share, 70 sampled tokens each): with prefix sharing between requests
-admitted together and sequences in flight (`grpo_shared_s`) and with every prompt prefilled afresh
-(`grpo_recomputed_s`, as the engine did before it shared), and their ratio `grpo_sharing_speedup`.
+admitted together and sequences in flight, decode reading each group's shared prompt once (`grpo_shared_s`),
+the same with every row reading its own copy (`grpo_copied_s`, as the engine did before cascade attention)
+and with every prompt prefilled afresh (`grpo_recomputed_s`, as it did before it shared), with the ratios
+`grpo_cascade_speedup` (copied / shared) and `grpo_sharing_speedup` (recomputed / shared). And one decode
+step of such a batch (4 x 8 rows, each group's slots holding copies of its prompt) reading each group's
+prompt once against every row reading its own copy: at a first turn (690 of 760 cached tokens shared,
+`shared_*`) and under a 2,000-token shared prompt (`shared_long_*`).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import torch
 
 from realtime_rl.config import ModelConfig
 from realtime_rl.engine import Engine, SamplingParams
+from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, save_checkpoint
-from realtime_rl.model.kv_cache import SlotRows, SlotWindow
+from realtime_rl.model.kv_cache import SharedRows, SlotRows, SlotWindow
 
 BATCHES = (1, 8, 32)
 
@@ -114,21 +120,64 @@ def scattered_decode_ms(model: Qwen3ForCausalLM, repeats: int, slots: int = 32,
     length = int(positions.max()) + 1
     ways = {"window": SlotWindow(rows[0], rows[-1] - rows[0] + 1, torch.tensor(rows) - rows[0]),
             "gather": torch.tensor(rows), "rows": SlotRows(rows, (positions[:, 0] + 1).tolist())}
+    times = decode_step_ms(model, cache, ids, positions, ways, length, repeats)
+    return {f"{name}_{way}_ms": ms for way, ms in times.items()}
+
+
+def decode_step_ms(model: Qwen3ForCausalLM, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
+                   ways: dict[str, Any], length: int, repeats: int) -> dict[str, float]:
+    """Each way's decode forward (ms, median of `repeats` timings of 10), the ways alternated so that load on
+    the machine hits all alike."""
     times: dict[str, list[float]] = {way: [] for way in ways}
     with torch.no_grad():
-        for _ in range(repeats):  # alternate, so that load on the machine hits all alike
+        for _ in range(repeats):
             for way, slots_arg in ways.items():
                 t0 = time.perf_counter()
                 for _ in range(10):
                     model(ids, positions, kv_cache=cache, cache_slots=slots_arg, cache_length=length)
                 times[way].append((time.perf_counter() - t0) / 10 * 1e3)
-    return {f"{name}_{way}_ms": statistics.median(t) for way, t in times.items()}
+    return {way: statistics.median(t) for way, t in times.items()}
+
+
+def shared_decode_ms(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_size: int = 8,
+                     shared: int = 690, context: int = 760, name: str = "shared") -> dict[str, float]:
+    """One decode step (ms, median of `repeats` timings of 10 steps) of `groups` x `group_size` rows in
+    consecutive slots, each group's slots holding copies of one `shared`-token prefill, `context` cached
+    tokens a row: reading each group's copy once (cascade attention, `{name}_cascade_ms`) against each row
+    reading its own (`{name}_own_ms`, what the engine chooses without the slots' lineages)."""
+    rows = groups * group_size
+    cache = KVCache(model.config, rows, context + 1)
+    for t in cache.k_LSHPD + cache.v_LSHPD:
+        t.normal_()
+    table = SlotTable(rows, 0, prefix_caching=True, prefix_max_age=0, need_routing=False)
+    for slot in range(rows):
+        leader = slot - slot % group_size
+        if slot == leader:
+            table.computed(slot, 0, shared)
+        else:
+            cache.copy_prefix(leader, slot, shared)
+            table.copied(leader, slot, shared)
+        table.computed(slot, shared, context - 1)
+    slots, lengths = list(range(rows)), [context] * rows
+    cascade = decode_slots(slots, lengths, gather=False, device=torch.device("cpu"),
+                           lineages=[table.blocks[s] for s in slots])
+    own = decode_slots(slots, lengths, gather=False, device=torch.device("cpu"))
+    assert isinstance(cascade, SharedRows) and not isinstance(own, SharedRows)
+    ways = {"cascade": cascade, "own": slice(own, own + rows) if isinstance(own, int) else own}
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (rows, 1), generator=gen)
+    positions = torch.full((rows, 1), context - 1)
+    times = decode_step_ms(model, cache, ids, positions, ways, context, repeats)
+    metrics = {f"{name}_{way}_ms": ms for way, ms in times.items()}
+    metrics[f"{name}_cascade_speedup"] = metrics[f"{name}_own_ms"] / metrics[f"{name}_cascade_ms"]
+    return metrics
 
 
 def grpo_batch_s(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_size: int = 8,
                  system_len: int = 600, task_len: int = 90, new_tokens: int = 70) -> dict[str, float]:
     """Seconds (median of `repeats`, alternated) to sample `groups` GRPO groups of `group_size` episodes, each
-    episode its own request as a rollout worker's agent loop sends them, with and without prefix caching."""
+    episode its own request as a rollout worker's agent loop sends them: with prefix caching and cascade decode
+    attention, with prefix caching alone, and with neither."""
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     system = torch.randint(0, vocab, (system_len,), generator=gen).tolist()
@@ -136,7 +185,8 @@ def grpo_batch_s(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_s
     prompts = [system + task for task in tasks for _ in range(group_size)]
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
     engines = {way: Engine(model, max_batch=len(prompts), max_seq_len=system_len + task_len + new_tokens + 1,
-                           prefix_caching=way == "shared") for way in ("shared", "recomputed")}
+                           prefix_caching=way != "recomputed", cascade_decode=way == "shared")
+               for way in ("shared", "copied", "recomputed")}
     times: dict[str, list[float]] = {way: [] for way in engines}
     for _ in range(repeats):
         for way, engine in engines.items():
@@ -145,9 +195,9 @@ def grpo_batch_s(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_s
             outs = engine.generate(prompts, params)
             times[way].append(time.perf_counter() - t0)
             assert all(len(o.samples[0].token_ids) == new_tokens for o in outs)
-    shared_s, recomputed_s = statistics.median(times["shared"]), statistics.median(times["recomputed"])
-    return {"grpo_shared_s": shared_s, "grpo_recomputed_s": recomputed_s,
-            "grpo_sharing_speedup": recomputed_s / shared_s}
+    shared_s, copied_s, recomputed_s = (statistics.median(times[way]) for way in engines)
+    return {"grpo_shared_s": shared_s, "grpo_copied_s": copied_s, "grpo_recomputed_s": recomputed_s,
+            "grpo_cascade_speedup": copied_s / shared_s, "grpo_sharing_speedup": recomputed_s / shared_s}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -209,4 +259,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics["ragged_rows_speedup"] = metrics["ragged_window_ms"] / metrics["ragged_rows_ms"]
     metrics |= (grpo_batch_s(model, repeats=1, groups=2, group_size=2, system_len=40, task_len=8, new_tokens=4)
                 if quick else grpo_batch_s(model, repeats=3))
+    metrics |= shared_decode_ms(model, repeats=2 if quick else 15)  # a first turn: 690 of 760 tokens shared
+    metrics |= shared_decode_ms(model, repeats=2 if quick else 15, shared=2000, context=2100, name="shared_long")
     return metrics

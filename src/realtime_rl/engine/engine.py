@@ -36,7 +36,12 @@ constructor compiles both graphs (tens of seconds on two cores; inductor caches 
 the next process), so no request waits on it; the weights stay inputs of the graph, so hot swaps need no
 recompilation. Prefill stays eager.
 
-Not here: paged attention (shared prefixes are copied, not referenced), chunked prefill, speculative decoding.
+Cascade decode (`cascade_decode=True`, the default; eager decode only): the slot table records which slots
+hold copies of one prefill (slots.py), and a decode step whose rows share such runs reads each once for all
+its rows (the model's `SharedRows`), when that attends over fewer key positions.
+
+Not here: paged attention (shared prefixes are copied, then read once, not referenced), chunked prefill,
+speculative decoding.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from realtime_rl.engine.requests import (
 from realtime_rl.engine.sampling import SamplingParams
 from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
-from realtime_rl.model.kv_cache import SlotRows, SlotWindow
+from realtime_rl.model.kv_cache import SharedRows, SlotRows, SlotWindow
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 log = logging.getLogger(__name__)
@@ -66,7 +71,8 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
                  max_seq_len: int = 2048, version: int = 0, capture_routing: bool = True, seed: int = 0,
-                 prefix_caching: bool = True, prefix_max_age: int = 0, compile_decode: bool = False) -> None:
+                 prefix_caching: bool = True, prefix_max_age: int = 0, compile_decode: bool = False,
+                 cascade_decode: bool = True) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError("need max_batch >= 1 and max_seq_len >= 2")
         self.model = model.eval()
@@ -93,6 +99,7 @@ class Engine:
         self.last_swap_pause_ms: float | None = None
         self.steps = 0
         self.compile_decode = compile_decode
+        self.cascade_decode = cascade_decode and not compile_decode
         self._decode_forward = self._last_logits
         if compile_decode:
             # The C++ wrapper calls the graph's kernels without Python in between (~10% faster on CPU).
@@ -252,6 +259,8 @@ class Engine:
         self.prefill_tokens += sum(lengths) + sum(len(r.prompt_ids) for r, _ in followers)
         self.prefix_hit_tokens += sum(hits) + sum(len(r.prompt_ids) for r, _ in followers)
         slots = torch.tensor([r.seqs[0].slot for r in admitted])
+        for req, start, n in zip(admitted, hits, lengths):
+            self.slots.computed(req.seqs[0].slot, start, n)
         with torch.no_grad():
             out = self.model(ids.to(self.device), positions.to(self.device), kv_cache=self.cache,
                              cache_slots=slots.to(self.device), capture_routing=self.capture_routing)
@@ -271,7 +280,7 @@ class Engine:
             held = np.asarray(req.prompt_ids)
             for seq in req.seqs:
                 if seq.slot != leader.seqs[0].slot:
-                    self.cache.copy_prefix(leader.seqs[0].slot, seq.slot, len(held))
+                    self._copy_prefix(leader.seqs[0].slot, seq.slot, len(held))
                 self.slots.hold(seq.slot, held, req.prompt_routing)
             rows += req.seqs
             row_logits += [logits_BV[b]] * len(req.seqs)
@@ -285,9 +294,13 @@ class Engine:
         slot, hit = self.slots.take(prompt, self.version, beat=live_hit)
         routing = self.slots.pop_routing(slot)
         if live_hit and not hit:
-            self.cache.copy_prefix(source, slot, live_hit)
+            self._copy_prefix(source, slot, live_hit)
             routing, hit = self.slots.routing[source], live_hit
         return slot, hit, routing
+
+    def _copy_prefix(self, source: int, slot: int, length: int) -> None:
+        self.cache.copy_prefix(source, slot, length)
+        self.slots.copied(source, slot, length)
 
     def _decode(self) -> None:
         seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)
@@ -296,8 +309,9 @@ class Engine:
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)[:, None]
+        lineages = [self.slots.blocks[s.slot] for s in seqs] if self.cascade_decode else None
         slots = decode_slots([s.slot for s in seqs], [p + 1 for p in pos], gather=self.compile_decode,
-                             device=self.device)
+                             device=self.device, lineages=lineages)
         with torch.no_grad():
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
         if routing_BTLK is not None:
@@ -307,7 +321,7 @@ class Engine:
         self._sample(seqs, logits_BV)
 
     def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor,
-                     slots: torch.Tensor | int | SlotWindow | SlotRows, length: int
+                     slots: torch.Tensor | int | SlotWindow | SlotRows | SharedRows, length: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode forward: logits of each row's last position, and the routing it used. `slots`: each
         row's slot, the first of consecutive ones, the window they lie in, or each row's slot and length."""

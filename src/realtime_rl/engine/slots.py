@@ -5,7 +5,10 @@
     slot, hit = slots.take(prompt_ids, version, beat=live_hit)  # hit: leading prompt tokens its cache holds
     slots.hold(slot, prompt_ids, routing)             # prefilled: other requests may copy its prompt
     slots.release(slot, tokens, routing)              # free again; the cache stays for the next taker
-    batch = decode_slots([3, 4, 6], [900, 40, 2100], gather=False, device=device)  # how a decode step reads
+    slots.computed(slot, hit, len(prompt_ids))        # the prefill computed those positions' keys/values
+    slots.copied(slot, other, len(prompt_ids))        # another sample of the prompt got a copy of them
+    batch = decode_slots([3, 4, 6], [900, 40, 2100], gather=False, device=device,  # how a decode step reads
+                         lineages=[slots.blocks[s] for s in (3, 4, 6)])
 
 A freed slot keeps the keys/values of every token its sequence fed the model, and their MoE routing, until
 it is reused. `take` gives a request the free slot whose cache shares the longest prefix with its prompt,
@@ -17,23 +20,36 @@ A slot in use holds its prompt's keys/values from its prefill on (`hold`); `live
 sharing the longest prefix with a new prompt among those the current weights computed entirely, so the
 engine copies it instead of recomputing it (the episodes of one GRPO group, or of tasks sharing a system
 prompt, arriving while another is still decoding): exact, since the same weights computed it.
+
+Each slot also records where its keys/values came from (`blocks`): runs of positions from 0, each named by
+the computation (a prefill, or a sequence's decoded tokens) that wrote it; a copy takes the source's runs.
+Two slots whose runs agree up to position p hold bit-identical keys/values before p, whatever the weights'
+versions, so a decode step reads them once for all its rows (`shared_runs`, the model's `SharedRows`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from realtime_rl.model.kv_cache import SlotRows, SlotWindow
+from realtime_rl.model.kv_cache import SharedRows, SharedRun, SlotRows, SlotWindow
 
 ROW_CALL_POSITIONS = 300
 """One attention call per row (SlotRows) costs about as much as attending over this many more key positions
 (on CPU, one thread: ~10 us a call against ~30 ns a row-position)."""
 GATHER_COST = 2
 """Gathering copies every row's prefix in every layer: about as costly again as attending over it."""
+RUN_CALL_POSITIONS = 2500
+"""A shared run (`SharedRows`) costs an attention call for its rows' stacked queries and a log-sum-exp merge:
+about as much as attending over this many more key positions (on CPU, one thread; at 1500, 690 positions
+shared by 4 agent episodes read apart made a decode step 8% slower than reading each row's own)."""
+
+Blocks = list[tuple[int, int]]
+"""(computation id, end position) runs: the first covers positions 0..end-1, each next one on from there."""
 
 
 class SlotTable:
@@ -54,6 +70,8 @@ class SlotTable:
         self.kv_epoch = [0] * count
         self._freed_at = [-1] * count  # when each slot was last freed (LRU eviction)
         self._frees = itertools.count()
+        self.blocks: list[Blocks] = [[] for _ in range(count)]  # where each slot's keys/values came from
+        self._computations = itertools.count()
 
     def rollback(self) -> None:
         """The weights went back to an older version: nothing cached so far is reusable."""
@@ -114,6 +132,15 @@ class SlotTable:
                 best, best_hit = slot, hit
         return best, best_hit
 
+    def computed(self, slot: int, start: int, end: int) -> None:
+        """Positions start..end-1 of `slot` were just computed (a prefill from `start`): new keys/values that no
+        other slot holds yet; those before `start` are kept."""
+        self.blocks[slot] = _cut(self.blocks[slot], start) + [(next(self._computations), end)]
+
+    def copied(self, source: int, slot: int, length: int) -> None:
+        """`slot` got a copy of positions 0..length-1 of `source` (`KVCache.copy_prefix`)."""
+        self.blocks[slot] = _cut(self.blocks[source], length)
+
     def hold(self, slot: int, prompt: Sequence[int], routing: torch.Tensor | None) -> None:
         """`slot`, in use, now holds the keys/values (and routing) of `prompt`: others may copy them."""
         self.tokens[slot] = np.asarray(prompt)
@@ -128,6 +155,9 @@ class SlotTable:
         """Free `slot`, whose cache holds the keys/values of `tokens` (its request's prompt and output)."""
         self.free.append(slot)
         self._freed_at[slot] = next(self._frees)
+        held = self.blocks[slot][-1][1] if self.blocks[slot] else 0
+        if held < len(tokens):
+            self.computed(slot, held, len(tokens))  # the tokens it decoded
         self.tokens[slot] = np.asarray(tokens)
         if routing is not None:
             self.routing[slot] = routing
@@ -141,25 +171,99 @@ def shared_prefix(cached: np.ndarray, prompt: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def decode_slots(slots: Sequence[int], lengths: Sequence[int], gather: bool, device: torch.device
-                 ) -> torch.Tensor | int | SlotWindow | SlotRows:
+def decode_slots(slots: Sequence[int], lengths: Sequence[int], gather: bool, device: torch.device,
+                 lineages: Sequence[Blocks] | None = None) -> torch.Tensor | int | SlotWindow | SlotRows | SharedRows:
     """How a decode batch whose rows run in `slots` (ascending) with `lengths` cached keys each (position + 1)
     reads the cache, whichever costs the fewest key positions attended (padding included): as a view of
     the slots they span (the first slot when consecutive, else their window: every row padded to the longest
     and the free slots' rows computed and dropped), row by row (`SlotRows`: exactly each row's own keys,
-    plus a call per row), or gathered (a copy of each row's prefix, padded to the longest: the only way when
-    `gather`, since a compiled graph that reads a view specialises on the batch size)."""
+    plus a call per row), gathered (a copy of each row's prefix, padded to the longest: the only way when
+    `gather`, since a compiled graph that reads a view specialises on the batch size), or, given the slots'
+    `lineages` (`SlotTable.blocks`), reading the runs of keys/values several rows hold alike once each and
+    the rest of every row's own (`SharedRows`)."""
     if gather:
         return torch.tensor(list(slots), device=device)
     rows, longest = len(slots), max(lengths)
     span = slots[-1] - slots[0] + 1
     view, gathered = span * longest, GATHER_COST * rows * longest
     by_row = sum(lengths) + ROW_CALL_POSITIONS * rows
+    if lineages is not None:
+        shared = shared_runs(slots, lineages, lengths, device)
+        if shared is not None:
+            own = longest - shared.first
+            together = rows * own if span == rows else GATHER_COST * rows * own
+            apart = sum(n - start for n, start in zip(lengths, shared.starts)) + ROW_CALL_POSITIONS * rows
+            runs = sum(r.end - r.start + RUN_CALL_POSITIONS for level in shared.levels for r in level)
+            if runs + min(together, apart) < min(view, by_row, gathered):
+                return dataclasses.replace(shared, by_row=apart < together)
     if view <= min(by_row, gathered):
         return slot_view(slots, device)
     if by_row <= gathered:
         return SlotRows(list(slots), list(lengths))
     return torch.tensor(list(slots), device=device)
+
+
+def shared_runs(slots: Sequence[int], lineages: Sequence[Blocks], lengths: Sequence[int], device: torch.device
+                ) -> SharedRows | None:
+    """How decode rows in `slots` (whose keys/values came from `lineages`, `lengths` to read each) read the runs
+    of positions several of their slots hold alike: each run worth reading once (it saves more key positions
+    than its call costs), nested (rows sharing a system prompt, then those of them sharing a task's prompt).
+    None when no run is worth it. Each row keeps at least its own position to read from its own slot."""
+    levels: list[list[SharedRun]] = []
+    starts = [0] * len(slots)
+
+    def split(rows: list[int], start: int, depth: int) -> None:
+        by_block: dict[int, list[int]] = {}
+        for r in rows:
+            block = _block_at(lineages[r], start)
+            if block is not None:
+                by_block.setdefault(block, []).append(r)
+        for group in by_block.values():
+            if len(group) < 2:
+                continue
+            end = min(min(_common(lineages[group[0]], lineages[r]) for r in group[1:]),
+                      min(lengths[r] - 1 for r in group))
+            if (len(group) - 1) * (end - start) <= RUN_CALL_POSITIONS:
+                continue
+            if depth == len(levels):
+                levels.append([])
+            levels[depth].append(SharedRun(torch.tensor(group, device=device), slots[group[0]], start, end))
+            for r in group:
+                starts[r] = end
+            split(group, end, depth + 1)
+
+    split(list(range(len(slots))), 0, 0)
+    return SharedRows(list(slots), starts, levels, list(lengths), by_row=False) if levels else None
+
+
+def _cut(blocks: Blocks, length: int) -> Blocks:
+    """The runs of `blocks` that cover positions 0..length-1 (the last one cut at `length`)."""
+    kept: Blocks = []
+    for block, end in blocks:
+        if end >= length:
+            return kept + [(block, length)] if length > 0 else kept
+        kept.append((block, end))
+    return kept
+
+
+def _block_at(blocks: Blocks, position: int) -> int | None:
+    """The computation that wrote `position` (None past the runs)."""
+    for block, end in blocks:
+        if position < end:
+            return block
+    return None
+
+
+def _common(a: Blocks, b: Blocks) -> int:
+    """How many leading positions two slots' runs agree on."""
+    agreed = 0
+    for (block_a, end_a), (block_b, end_b) in zip(a, b):
+        if block_a != block_b:
+            break
+        if end_a != end_b:
+            return min(end_a, end_b)
+        agreed = end_a
+    return agreed
 
 
 def slot_view(slots: Sequence[int], device: torch.device) -> int | SlotWindow:

@@ -15,12 +15,19 @@ slot, neither padded to the batch's longest row nor copied (agent episodes in fl
 thousands of tokens; the engine picks whichever way costs least, engine/slots.py). Freeing a slot is free:
 the next sequence that gets it overwrites positions from 0 and never attends past its own position.
 
-Not here: paging, prefix sharing between slots (the engine copies a prefix with `copy_prefix`).
+Slots often hold the same keys/values for a prompt's leading positions: the engine copies a prompt's prefill
+(`copy_prefix`) to every episode of a GRPO group and a system prompt to each request sharing it. A decode
+step may then give `SharedRows` (cascade attention, as FlashInfer's): each shared run of positions is
+attended once for all its rows, their queries stacked as one row's, then every row attends over the rest of
+its own keys, and the parts merge by their log-sum-exps. The rows then read each shared prompt once instead
+of once per row (on CPU, most of a decode step's attention over a rollout worker's batch of groups).
+
+Not here: paging (a shared prefix is copied into each slot; `SharedRows` only reads it once).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -46,13 +53,14 @@ class KVCache:
         self.k_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.v_LSHPD = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
 
-    def begin(self, slots: torch.Tensor | slice | SlotWindow | SlotRows, positions_BT: torch.Tensor,
+    def begin(self, slots: torch.Tensor | slice | SlotWindow | SlotRows | SharedRows, positions_BT: torch.Tensor,
               length: int | None = None) -> CacheStep:
         """Start one forward over the cache: the prefix length, row indices and mask, once for all layers.
 
         `slots` is a LongTensor [B] of slot ids (each layer gathers the rows' prefixes), a `slice` of
         consecutive slots in row order or a `SlotWindow` (each layer reads the prefixes as a view), or, for a
-        decode step, `SlotRows` (each row reads its own prefix as a view, one attention call per row).
+        decode step, `SlotRows` (each row reads its own prefix as a view, one attention call per row) or
+        `SharedRows` (runs of positions several rows' slots hold alike read once, the rest row by row).
         `length` (default: the largest position + 1, read from the tensor) is the prefix every row reads;
         a caller that knows it passes it, which keeps a compiled forward free of data-dependent shapes.
         """
@@ -66,6 +74,17 @@ class KVCache:
                                  f"{tuple(positions_BT.shape)} for {len(slots.slots)} slots")
             rows_BT = torch.tensor(slots.slots, device=positions_BT.device)[:, None]
             return CacheStep(self, slots, positions_BT, rows_BT, length, None)
+        if isinstance(slots, SharedRows):
+            if positions_BT.shape[1] != 1 or len(slots.slots) != positions_BT.shape[0]:
+                raise ValueError(f"SharedRows is for decode: one position per row, got positions of shape "
+                                 f"{tuple(positions_BT.shape)} for {len(slots.slots)} slots")
+            rows_BT = torch.tensor(slots.slots, device=positions_BT.device)[:, None]
+            own_pos_S = torch.arange(slots.first, length, device=positions_BT.device)
+            starts_B1 = torch.tensor(slots.starts, device=positions_BT.device)[:, None]
+            visible_BS = (own_pos_S >= starts_B1) & (own_pos_S <= positions_BT)
+            bias_BS = torch.zeros(visible_BS.shape, dtype=self.k_LSHPD[0].dtype, device=positions_BT.device)
+            bias_BS.masked_fill_(~visible_BS, float("-inf"))
+            return CacheStep(self, slots, positions_BT, rows_BT, length, None, bias_BS[:, None, None, :])
         key_pos_S = torch.arange(length, device=positions_BT.device)
         query_pos_BT = positions_BT
         if isinstance(slots, SlotWindow):
@@ -83,7 +102,8 @@ class KVCache:
         return CacheStep(self, slots, positions_BT, rows_BT, length, mask_B1TS)
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        """Copy positions [0, length) of one slot into another (n samples sharing one prefill)."""
+        """Copy positions [0, length) of one slot into another (n samples sharing one prefill): bit for bit,
+        so a decode step may read them from either (`SharedRows`)."""
         for k_cache, v_cache in zip(self.k_LSHPD, self.v_LSHPD):
             k_cache[dst_slot, :, :length] = k_cache[src_slot, :, :length]
             v_cache[dst_slot, :, :length] = v_cache[src_slot, :, :length]
@@ -106,6 +126,44 @@ class SlotRows:
 
     slots: list[int]
     lengths: list[int]
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """Positions start..end-1 whose keys/values the slots of batch rows `rows` hold alike (copies of one
+    prefill), read once, from `slot`."""
+
+    rows: torch.Tensor
+    """LongTensor [m], m >= 2: the batch rows (indices) that read this run."""
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SharedRows:
+    """Decode rows (one query each) in any slots, some of which share runs of keys/values (cascade attention):
+    each run is attended once for all its rows; row b reads its own slot from position `starts[b]` (where its
+    last run ends; 0 for a row that shares nothing) to its own: `by_row`, one call per row over exactly
+    those keys (`lengths[b]` = its position + 1), else all rows in one call, padded to the longest (a view
+    where the slots are consecutive, else gathered). `levels`: the runs by depth (a system prompt's, then the
+    task prompts' continuing it): no row is in two runs of one level."""
+
+    slots: list[int]
+    starts: list[int]
+    levels: list[list[SharedRun]]
+    lengths: list[int]
+    by_row: bool
+    level_rows: list[torch.Tensor] = field(init=False)
+    """Each level's runs' rows, concatenated."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "level_rows", [torch.cat([run.rows for run in level]) for level in self.levels])
+
+    @property
+    def first(self) -> int:
+        """The first position any row reads from its own slot."""
+        return min(self.starts)
 
 
 class KVStep(Protocol):
@@ -131,6 +189,72 @@ def masked_attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.T
     return out_BKQD.reshape(B, H, T, D)  # a CUDA kernel may return it strided: reshape copies only then
 
 
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attention_lse(q_BKQD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor,
+                  bias_B1QS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of Q queries per key/value head (query heads already folded onto them) over all of k/v, and
+    each query's log-sum-exp of scores (fp32 [B, K, Q]), so that attention over disjoint key sets merges
+    exactly (`merge_attention`). `bias_B1QS`: added to the scores (-inf hides a key)."""
+    if _flash_cpu is not None and q_BKQD.device.type == "cpu" and q_BKQD.dtype in (torch.float32, torch.bfloat16):
+        return _flash_cpu(q_BKQD, k_BKSD, v_BKSD, 0.0, False, attn_mask=bias_B1QS)
+    scores_BKQS = (q_BKQD.float() @ k_BKSD.float().transpose(-1, -2)) * q_BKQD.shape[-1] ** -0.5
+    if bias_B1QS is not None:
+        scores_BKQS = scores_BKQS + bias_B1QS
+    lse_BKQ = scores_BKQS.logsumexp(-1)
+    out_BKQD = (scores_BKQS - lse_BKQ[..., None]).exp().to(v_BKSD.dtype) @ v_BKSD
+    return out_BKQD, lse_BKQ
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets from attention over each (outputs [..., D], fp32
+    log-sum-exps [...]): the softmax-weighted mean of the two."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * (lse_a - lse).exp()[..., None].to(out_a.dtype) + out_b * (lse_b - lse).exp()[..., None].to(out_b.dtype)
+    return out, lse
+
+
+def cascade_attention(q_BHTD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: SharedRows,
+                      length: int, bias_B11S: torch.Tensor) -> torch.Tensor:
+    """Decode attention of rows whose slots share runs of keys/values (`SharedRows`): each row over its own
+    slot's keys from its start (one call per row, or all rows over positions `rows.first`..`length`-1 with
+    `bias_B11S` -inf where a row may not look), then each run once for its rows' queries stacked
+    (a run of P positions read once instead of m times), merged by log-sum-exp."""
+    B, H, _, D = q_BHTD.shape
+    K = k_cache.shape[1]
+    G = H // K
+    q_BKGD = q_BHTD.reshape(B, K, G, D)
+    if rows.by_row:
+        parts = [attention_lse(q_BKGD[b : b + 1], k_cache[s : s + 1, :, start:n], v_cache[s : s + 1, :, start:n])
+                 for b, (s, start, n) in enumerate(zip(rows.slots, rows.starts, rows.lengths, strict=True))]
+        out_BKGD, lse_BKG = torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
+    else:
+        own = slice(rows.first, length)
+        first_slot = rows.slots[0]
+        if rows.slots == list(range(first_slot, first_slot + B)):
+            k_own, v_own = k_cache[first_slot : first_slot + B, :, own], v_cache[first_slot : first_slot + B, :, own]
+        else:
+            index = torch.tensor(rows.slots, device=k_cache.device)
+            k_own, v_own = k_cache[:, :, own].index_select(0, index), v_cache[:, :, own].index_select(0, index)
+        out_BKGD, lse_BKG = attention_lse(q_BKGD, k_own, v_own, bias_B11S)
+    for level, level_rows in zip(rows.levels, rows.level_rows, strict=True):
+        outs, lses = [], []
+        for run in level:
+            m = run.rows.shape[0]
+            q_1KQD = q_BKGD.index_select(0, run.rows).transpose(0, 1).reshape(1, K, m * G, D)
+            out_1KQD, lse_1KQ = attention_lse(q_1KQD, k_cache[run.slot : run.slot + 1, :, run.start : run.end],
+                                              v_cache[run.slot : run.slot + 1, :, run.start : run.end])
+            outs.append(out_1KQD.reshape(K, m, G, D).transpose(0, 1))
+            lses.append(lse_1KQ.reshape(K, m, G).transpose(0, 1))
+        merged_out, merged_lse = merge_attention(out_BKGD.index_select(0, level_rows),
+                                                 lse_BKG.index_select(0, level_rows), torch.cat(outs), torch.cat(lses))
+        out_BKGD = out_BKGD.index_copy(0, level_rows, merged_out)
+        lse_BKG = lse_BKG.index_copy(0, level_rows, merged_lse)
+    return out_BKGD.reshape(B, H, 1, D)
+
+
 def row_attention(q_1HTD: torch.Tensor, k_1KSD: torch.Tensor, v_1KSD: torch.Tensor) -> torch.Tensor:
     """One row's attention over all of k/v (no mask: the caller passes exactly the keys it may see), its
     query heads folded onto the key/value heads as in masked_attention."""
@@ -145,14 +269,16 @@ class CacheStep:
     """One forward's view of the cache: every layer writes its new keys/values and reads the prefix."""
 
     cache: KVCache
-    slots: torch.Tensor | slice | SlotWindow | SlotRows
+    slots: torch.Tensor | slice | SlotWindow | SlotRows | SharedRows
     positions_BT: torch.Tensor
     rows_BT: torch.Tensor
     """The slot each new key/value goes to."""
     length: int
     mask_B1TS: torch.Tensor | None
     """Key position <= query position: what each query may attend to (a window's rows: every slot in it;
-    None for SlotRows, whose rows read exactly their own keys)."""
+    None for SlotRows, whose rows read exactly their own keys, and for SharedRows)."""
+    bias_B11S: torch.Tensor | None = None
+    """SharedRows: 0 where a row may see its own slot's key at positions `first`..length-1, else -inf."""
 
     def attend(self, layer_idx: int, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
                ) -> torch.Tensor:
@@ -165,6 +291,9 @@ class CacheStep:
             rows = enumerate(zip(slots.slots, slots.lengths, strict=True))
             return torch.cat([row_attention(q_BHTD[b : b + 1], k_cache[s : s + 1, :, :n],
                                             v_cache[s : s + 1, :, :n]) for b, (s, n) in rows])
+        if isinstance(slots, SharedRows):
+            assert self.bias_B11S is not None
+            return cascade_attention(q_BHTD, k_cache, v_cache, slots, self.length, self.bias_B11S)
         assert self.mask_B1TS is not None
         if isinstance(slots, SlotWindow):
             window = slice(slots.start, slots.start + slots.size)
