@@ -255,7 +255,8 @@ def snapshot_steps(step_minutes: list[float], budget: float) -> list[int]:
 # ------------------------------------------------------------------------------------------ ours
 
 MACHINE_FIELDS = ("max_staleness", "threads", "rollout.workers", "rollout.threads_per_worker",
-                  "rollout.backend", "rollout.queued_groups", "rollout.compile_decode", "rollout.prefix_max_age")
+                  "rollout.backend", "rollout.queued_groups", "rollout.compile_decode", "rollout.cascade_decode",
+                  "rollout.prefix_max_age")
 """The recipe fields `--set` may change on ours' side: how it spreads over the machine, not what it learns
 from or how (the tasks, the sampling and the algorithm are the bench's, the same on both sides)."""
 

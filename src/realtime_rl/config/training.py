@@ -197,6 +197,10 @@ class RolloutConfig(StrictModel):
     """Run each worker engine's decode step through torch.compile (engine/engine.py), compiled at worker
     start-up (~10 s with inductor's on-disk cache, ~1 min without). 1.1-2.5x the eager decode tokens/s
     on CPU at short contexts (`rtrl bench engine`), none at agent-episode lengths (docs/serving.md)."""
+    cascade_decode: bool = True
+    """Decode steps read the prompt keys/values a GRPO group's episodes hold as copies of one prefill once for
+    the group (cascade attention, docs/model.md), where that costs less; eager decode only. False: every row
+    reads its own copy (same tokens and logprobs; for comparison)."""
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
     """Where each worker's engine runs: cpu, cuda or cuda:N (workers on one GPU share it)."""
     gpus_per_worker: float = Field(1.0, gt=0, le=64)
