@@ -60,7 +60,7 @@ class KVCache:
         `slots` is a LongTensor [B] of slot ids (each layer gathers the rows' prefixes), a `slice` of
         consecutive slots in row order or a `SlotWindow` (each layer reads the prefixes as a view), or, for a
         decode step, `SlotRows` (each row reads its own prefix as a view, one attention call per row) or
-        `SharedRows` (runs of positions several rows' slots hold alike read once, the rest row by row).
+        `SharedRows` (runs of positions several rows' slots hold alike read once, the rest from each row's own).
         `length` (default: the largest position + 1, read from the tensor) is the prefix every row reads;
         a caller that knows it passes it, which keeps a compiled forward free of data-dependent shapes.
         """
@@ -79,6 +79,8 @@ class KVCache:
                 raise ValueError(f"SharedRows is for decode: one position per row, got positions of shape "
                                  f"{tuple(positions_BT.shape)} for {len(slots.slots)} slots")
             rows_BT = torch.tensor(slots.slots, device=positions_BT.device)[:, None]
+            if slots.by_row:
+                return CacheStep(self, slots, positions_BT, rows_BT, length, None)
             own_pos_S = torch.arange(slots.first, length, device=positions_BT.device)
             starts_B1 = torch.tensor(slots.starts, device=positions_BT.device)[:, None]
             visible_BS = (own_pos_S >= starts_B1) & (own_pos_S <= positions_BT)
@@ -212,16 +214,16 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     """Attention over the union of two disjoint key sets from attention over each (outputs [..., D], fp32
     log-sum-exps [...]): the softmax-weighted mean of the two."""
     lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * (lse_a - lse).exp()[..., None].to(out_a.dtype) + out_b * (lse_b - lse).exp()[..., None].to(out_b.dtype)
-    return out, lse
+    weight_a, weight_b = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]
+    return out_a * weight_a.to(out_a.dtype) + out_b * weight_b.to(out_b.dtype), lse
 
 
 def cascade_attention(q_BHTD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: SharedRows,
-                      length: int, bias_B11S: torch.Tensor) -> torch.Tensor:
-    """Decode attention of rows whose slots share runs of keys/values (`SharedRows`): each row over its own
-    slot's keys from its start (one call per row, or all rows over positions `rows.first`..`length`-1 with
-    `bias_B11S` -inf where a row may not look), then each run once for its rows' queries stacked
-    (a run of P positions read once instead of m times), merged by log-sum-exp."""
+                      slots_B: torch.Tensor, length: int, bias_B11S: torch.Tensor | None) -> torch.Tensor:
+    """Decode attention of rows whose slots share runs of keys/values (`SharedRows`; `slots_B` their slots as
+    a tensor): each row over its own slot's keys from its start (one call per row, or all rows over positions
+    `rows.first`..`length`-1 with `bias_B11S` -inf where a row may not look), then each run once for its
+    rows' queries stacked (a run of P positions read once instead of m times), merged by log-sum-exp."""
     B, H, _, D = q_BHTD.shape
     K = k_cache.shape[1]
     G = H // K
@@ -231,13 +233,13 @@ def cascade_attention(q_BHTD: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  for b, (s, start, n) in enumerate(zip(rows.slots, rows.starts, rows.lengths, strict=True))]
         out_BKGD, lse_BKG = torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
     else:
+        assert bias_B11S is not None
         own = slice(rows.first, length)
         first_slot = rows.slots[0]
         if rows.slots == list(range(first_slot, first_slot + B)):
             k_own, v_own = k_cache[first_slot : first_slot + B, :, own], v_cache[first_slot : first_slot + B, :, own]
         else:
-            index = torch.tensor(rows.slots, device=k_cache.device)
-            k_own, v_own = k_cache[:, :, own].index_select(0, index), v_cache[:, :, own].index_select(0, index)
+            k_own, v_own = k_cache[:, :, own].index_select(0, slots_B), v_cache[:, :, own].index_select(0, slots_B)
         out_BKGD, lse_BKG = attention_lse(q_BKGD, k_own, v_own, bias_B11S)
     for level, level_rows in zip(rows.levels, rows.level_rows, strict=True):
         outs, lses = [], []
@@ -278,7 +280,8 @@ class CacheStep:
     """Key position <= query position: what each query may attend to (a window's rows: every slot in it;
     None for SlotRows, whose rows read exactly their own keys, and for SharedRows)."""
     bias_B11S: torch.Tensor | None = None
-    """SharedRows: 0 where a row may see its own slot's key at positions `first`..length-1, else -inf."""
+    """SharedRows read in one call: 0 where a row may see its own slot's key at positions `first`..length-1,
+    else -inf."""
 
     def attend(self, layer_idx: int, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor
                ) -> torch.Tensor:
@@ -292,8 +295,7 @@ class CacheStep:
             return torch.cat([row_attention(q_BHTD[b : b + 1], k_cache[s : s + 1, :, :n],
                                             v_cache[s : s + 1, :, :n]) for b, (s, n) in rows])
         if isinstance(slots, SharedRows):
-            assert self.bias_B11S is not None
-            return cascade_attention(q_BHTD, k_cache, v_cache, slots, self.length, self.bias_B11S)
+            return cascade_attention(q_BHTD, k_cache, v_cache, slots, self.rows_BT[:, 0], self.length, self.bias_B11S)
         assert self.mask_B1TS is not None
         if isinstance(slots, SlotWindow):
             window = slice(slots.start, slots.start + slots.size)
