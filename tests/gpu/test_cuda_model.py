@@ -46,3 +46,28 @@ def test_cache_attention_on_cuda_matches_cpu(dtype):
     want = row_attention(q[:1], k[:1], v[:1])
     got = row_attention(*(t[:1].to("cuda", dtype) for t in (q, k, v)))
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("by_row", [False, True], ids=["together", "by-row"])
+def test_cascade_attention_on_cuda_matches_each_rows_own(dtype, by_row):
+    """Cascade decode attention (runs of keys/values several slots hold alike, read once) through the
+    matmul kernel CUDA runs, against each row's own attention on the same device."""
+    from realtime_rl.model.kv_cache import SharedRows, SharedRun
+
+    config = tiny_config(moe=True)
+    cache = KVCache(config, num_slots=6, max_seq_len=64, dtype=dtype, device="cuda")
+    for layer in cache.k_LSHPD + cache.v_LSHPD:
+        layer.normal_()
+    slots = [1, 2, 3, 5]
+    cache.copy_prefix(1, 2, 20)
+    cache.copy_prefix(2, 3, 30)
+    positions = torch.tensor([[25], [40], [33], [10]], device="cuda")
+    runs = [[SharedRun(torch.tensor([0, 1, 2], device="cuda"), 1, 0, 20)],
+            [SharedRun(torch.tensor([1, 2], device="cuda"), 2, 20, 30)]]
+    shared = SharedRows(slots, [20, 30, 30, 0], runs, lengths=[26, 41, 34, 11], by_row=by_row)
+    H, K, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q, k, v = (torch.randn(4, n, 1, D, device="cuda", dtype=dtype) for n in (H, K, K))
+    got = cache.begin(shared, positions).attend(0, q, k, v)
+    want = cache.begin(torch.tensor(slots, device="cuda"), positions).attend(0, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
