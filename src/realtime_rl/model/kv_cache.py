@@ -27,7 +27,8 @@ Not here: paging (a shared prefix is copied into each slot; `SharedRows` only re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -156,11 +157,11 @@ class SharedRows:
     levels: list[list[SharedRun]]
     lengths: list[int]
     by_row: bool
-    level_rows: list[torch.Tensor] = field(init=False)
-    """Each level's runs' rows, concatenated."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "level_rows", [torch.cat([run.rows for run in level]) for level in self.levels])
+    @cached_property
+    def level_rows(self) -> list[torch.Tensor]:
+        """Each level's runs' rows, concatenated (once per decode step, for every layer)."""
+        return [torch.cat([run.rows for run in level]) for level in self.levels]
 
     @property
     def first(self) -> int:
@@ -212,10 +213,10 @@ def attention_lse(q_BKQD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tens
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two disjoint key sets from attention over each (outputs [..., D], fp32
-    log-sum-exps [...]): the softmax-weighted mean of the two."""
+    log-sum-exps [...]): the softmax-weighted mean of the two, weighed in fp32, in out_a's dtype."""
     lse = torch.logaddexp(lse_a, lse_b)
     weight_a, weight_b = (lse_a - lse).exp()[..., None], (lse_b - lse).exp()[..., None]
-    return out_a * weight_a.to(out_a.dtype) + out_b * weight_b.to(out_b.dtype), lse
+    return (out_a * weight_a + out_b * weight_b).to(out_a.dtype), lse
 
 
 def cascade_attention(q_BHTD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: SharedRows,

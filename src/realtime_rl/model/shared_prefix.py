@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from realtime_rl.model.kv_cache import masked_attention
+from realtime_rl.model.kv_cache import _flash_cpu, masked_attention, merge_attention
 
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _flash_cpu_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
@@ -122,9 +121,7 @@ class _PrefixThenCausal(torch.autograd.Function):
     def forward(ctx, q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD):  # type: ignore[override]
         out_prefix, lse_prefix_BHT = _flash_cpu(q_BHTD, k_BKPD, v_BKPD, 0.0, False)
         out_own, lse_own_BHT = _flash_cpu(q_BHTD, k_BKTD, v_BKTD, 0.0, True)
-        lse_BHT = torch.logaddexp(lse_prefix_BHT, lse_own_BHT)
-        out_BHTD = (out_prefix * (lse_prefix_BHT - lse_BHT).exp()[..., None]
-                    + out_own * (lse_own_BHT - lse_BHT).exp()[..., None]).to(q_BHTD.dtype)
+        out_BHTD, lse_BHT = merge_attention(out_prefix, lse_prefix_BHT, out_own, lse_own_BHT)  # q's dtype
         ctx.save_for_backward(q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD, out_BHTD, lse_BHT)
         return out_BHTD
 
