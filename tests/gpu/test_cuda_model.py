@@ -71,3 +71,30 @@ def test_cascade_attention_on_cuda_matches_each_rows_own(dtype, by_row):
     got = cache.begin(shared, positions).attend(0, q, k, v)
     want = cache.begin(torch.tensor(slots, device="cuda"), positions).attend(0, q, k, v)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefix_attention_on_cuda_matches_cpu_with_its_gradients(dtype):
+    """The trainer's prefix attention on CUDA (one fused call, its causal mask aligned to the last key) against
+    the CPU path of two merged flash calls: the output and the gradient of every input, the prefix's summed
+    over the rows that read it."""
+    from realtime_rl.model.shared_prefix import prefix_attention
+
+    B, H, K, T, P, D = 3, 4, 2, 40, 24, 32
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(B, H, T, D, generator=g), torch.randn(1, K, P, D, generator=g),
+              torch.randn(1, K, P, D, generator=g), torch.randn(B, K, T, D, generator=g),
+              torch.randn(B, K, T, D, generator=g)]
+    upstream = torch.randn(B, H, T, D, generator=g)
+
+    def run(device: str, cast: torch.dtype) -> list[torch.Tensor]:
+        leaves = [t.to(device, cast, copy=True).requires_grad_() for t in inputs]
+        q, k_pre, v_pre, k_own, v_own = leaves
+        out = prefix_attention(q, k_pre.expand(B, -1, -1, -1), v_pre.expand(B, -1, -1, -1), k_own, v_own)
+        (out.float() * upstream.to(device)).sum().backward()
+        return [out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves]
+
+    want = run("cpu", torch.float32)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, expected in zip(run("cuda", dtype), want, strict=True):
+        torch.testing.assert_close(got, expected, atol=tol * max(1.0, float(expected.abs().max())), rtol=0)

@@ -233,11 +233,11 @@ def test_slot_rows_decode_reads_each_rows_own_prefix(tiny_policy):
                     cache_slots=SlotRows(slots, lengths))
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["two-calls", "masked"])
+@pytest.mark.parametrize("split", [True, False], ids=["two-calls", "one-call"])
 def test_prefix_attention_is_one_softmax_over_prefix_and_own_keys(monkeypatch, split):
     """Rows continuing a shared prefix: outputs and every gradient (the prefix's summed over rows) equal one
     attention over [prefix | own keys] with the lower-right causal mask, on the CPU path of two merged calls
-    and on the masked fallback."""
+    and on the one-call path (CUDA's; here PyTorch materialises its causal_lower_right mask)."""
     from realtime_rl.model import shared_prefix
 
     if not split:
@@ -269,6 +269,12 @@ def test_prefix_attention_is_one_softmax_over_prefix_and_own_keys(monkeypatch, s
                                                else t.detach().bfloat16() for t in leaves))
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), want[0], atol=3e-2, rtol=3e-2)
+    # The bf16 trainer's inputs: autocast on, q and k fp32 out of their RMSNorm, v bf16 out of its projection.
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = shared_prefix.prefix_attention(q.detach(), k_rows.detach(), v_rows.detach().bfloat16(),
+                                               k_own.detach(), v_own.detach().bfloat16())
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed.float(), want[0], atol=3e-2, rtol=3e-2)
 
 
 def test_sample_rows_draws_from_each_rows_distribution():

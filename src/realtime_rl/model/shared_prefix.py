@@ -21,6 +21,10 @@ over its own keys, merged by their log-sum-exps (`prefix_attention`); the backwa
 merged output and log-sum-exp, so the gradients are those of one softmax over all the keys. One call with
 a mask instead computes every query against every key (the kernel cannot skip the masked half of the
 row's own keys) and adds the mask: 1.0-1.9x slower forward and backward at a trainer step's shapes.
+Elsewhere (CUDA) it is one call over [prefix | own keys] with a causal mask aligned to the last key
+(`causal_lower_right`), which the fused kernels (flash, memory-efficient) take without a mask tensor; a
+boolean mask there sent each call to a kernel that reads a materialised [T, P + T] mask: on an H100 the
+trainer's step spent 4 of its 5 seconds in that attention and its backward (BENCHMARKS.md, async).
 
 Not here: choosing the prefix (the trainer does: equal token ids, equal replayed routing, no trained
 target inside it), caching across forwards (the engine's KV cache does that for inference).
@@ -32,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
-from realtime_rl.model.kv_cache import _flash_cpu, masked_attention, merge_attention
+from realtime_rl.model.kv_cache import _flash_cpu, merge_attention
 
 _flash_cpu_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -102,14 +107,20 @@ class _Extend:
 def prefix_attention(q_BHTD: torch.Tensor, k_BKPD: torch.Tensor, v_BKPD: torch.Tensor, k_BKTD: torch.Tensor,
                      v_BKTD: torch.Tensor) -> torch.Tensor:
     """Attention of T queries per row over P prefix keys (all visible) then the row's own T keys (causal):
-    query t sees prefix keys 0..P-1 and own keys 0..t. Grouped-query: H query heads over K key/value heads."""
-    if (_flash_cpu is not None and _flash_cpu_backward is not None and q_BHTD.device.type == "cpu"
-            and q_BHTD.dtype in (torch.float32, torch.bfloat16)):
+    query t sees prefix keys 0..P-1 and own keys 0..t. Grouped-query: H query heads over K key/value heads.
+    Runs in autocast's dtype where autocast is on (the kernels below take one dtype; q and k leave their
+    RMSNorm in fp32 while v leaves its projection in bf16), else in q's."""
+    device = q_BHTD.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q_BHTD.dtype
+    q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD = (t.to(dtype) for t in (q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD))
+    if (_flash_cpu is not None and _flash_cpu_backward is not None and device == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)):
         return _PrefixThenCausal.apply(q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD)
-    T, P = q_BHTD.shape[2], k_BKPD.shape[2]
-    mask_TS = torch.ones((T, P + T), dtype=torch.bool, device=q_BHTD.device).tril(P)
-    return masked_attention(q_BHTD, torch.cat([k_BKPD, k_BKTD], dim=2), torch.cat([v_BKPD, v_BKTD], dim=2),
-                            mask_TS[None, None])
+    G = q_BHTD.shape[1] // k_BKPD.shape[1]
+    k_BHSD, v_BHSD = (torch.cat([pre, own], dim=2).repeat_interleave(G, dim=1)  # the kernels' own GQA varies
+                      for pre, own in ((k_BKPD, k_BKTD), (v_BKPD, v_BKTD)))
+    T, S = q_BHTD.shape[2], k_BHSD.shape[2]
+    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=causal_lower_right(T, S))
 
 
 class _PrefixThenCausal(torch.autograd.Function):
