@@ -4,13 +4,15 @@
 #   benchmarks/gpu_checks.sh prepare [BASE_DIR]   # here: wheels, Debian debs and the base model into
 #                                                 # .whl/ .debs/ .device/ (git-ignored via .git/info/exclude)
 #   device run, carry [".whl", ".debs", ".device"]:
-#     bash benchmarks/gpu_checks.sh run           # env, pytest -m gpu, mismatch on CUDA, then bench async
+#     bash benchmarks/gpu_checks.sh run           # env, pytest -m gpu, mismatch and trainer on CUDA, bench async
 #
-# run's knobs (environment): CHECKS=0 skips the tests and mismatch; ASYNC=0 skips the async bench;
-# GPU_TESTS (default tests/gpu); MISMATCH (dtypes, default "bfloat16 float32"); BUDGET_S (seconds the whole
+# run's knobs (environment): CHECKS=0 skips the tests, mismatch and trainer; ASYNC=0 skips the async bench;
+# GPU_TESTS (default tests/gpu); MISMATCH and TRAINER (dtypes, default "bfloat16 float32"; " " for none); BUDGET_S (seconds the whole
 # run may take, default 540: the async bench gets what is left); STEPS, EVAL (the bench's steps and eval
 # tasks); ASYNC_SET (its --set overrides; default: the trainer on the GPU in bf16, engines on 12 CPU workers).
-# What lands in $OUT comes back: env.txt, gpu_tests.log, mismatch_cuda_*.json, async_cuda.json, async.log.
+# What lands in $OUT comes back: env.txt, gpu_tests.log, mismatch_cuda_*.json, trainer_cuda_*.json, async_cuda.json,
+# async.log. Seen on an H100 (2026-11-27): tests/gpu/test_cuda_model.py ~10 s; the async bench (20 steps, 24 eval
+# tasks, 12 workers) ~420 s.
 set -u
 PY=${PY:-.venv/bin/python}
 
@@ -20,7 +22,8 @@ prepare() {
   mkdir -p .whl .debs .device/base
   # What the device image lacks of our imports (its torch, numpy, safetensors, tokenizers, ... serve as they are).
   local pkgs="pydantic pydantic_core annotated-types typing-inspection typing_extensions fastapi starlette openai
-              jiter sniffio zstandard opentelemetry-api httpx2 httpcore2 truststore idna anyio h11"
+              jiter sniffio zstandard opentelemetry-api httpx2 httpcore2 truststore idna anyio h11
+              trl datasets dill multiprocess"
   for p in $pkgs; do
     v=$($PY -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}')
     [ -n "$v" ] || { echo "not installed here: $p"; continue; }
@@ -55,6 +58,11 @@ run() {
       log "mismatch cuda $dt"
       RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 120 $rtrl bench mismatch --json "$OUT/mismatch_cuda_$dt.json" \
         2>&1 | grep -A12 '"metrics"'
+    done
+    for dt in ${TRAINER:-bfloat16 float32}; do
+      log "trainer cuda $dt"
+      RTRL_BENCH_BASE=.device/base RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 150 \
+        $rtrl bench trainer --json "$OUT/trainer_cuda_$dt.json" 2>&1 | grep -A6 '"metrics"'
     done
   fi
   [ "${ASYNC:-1}" = 1 ] || { log end; return; }

@@ -93,6 +93,14 @@ def test_bench_engine_quick_writes_json(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_trainer_quick_times_both_steps_on_one_batch(tmp_path):
+    m = bench_quick("trainer", tmp_path)["metrics"]
+    assert m["ours_step_s"] > 0 and m["trl_step_s"] > 0 and m["speedup_vs_trl"] == m["trl_step_s"] / m["ours_step_s"]
+    assert 0 < m["trained_tokens"] < m["tokens"] <= m["padded_tokens_trl"]
+    assert len(m["ours_step_s_all"]) == len(m["trl_step_s_all"]) == m["repeats"] + 1
+
+
+@pytest.mark.slow
 def test_bench_sandbox_quick_writes_json(tmp_path):
     m = bench_quick("sandbox", tmp_path)["metrics"]
     assert m["escapes_contained"] == m["escapes_total"] > 0 and not m["escapes_not_contained"]
