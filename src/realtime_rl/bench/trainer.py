@@ -12,7 +12,8 @@ Ours: `RLTrainer.step` with the recipe's loss (decoupled PPO clip, TIS, IcePop, 
 replay), its micro-batches and shared prefixes. TRL: `GRPOTrainer.compute_loss` on the same episodes as
 TRL lays them out (prompt left-padded, the turns right-padded as one completion, the tool results masked by
 `tool_mask`), with the reference model's logprobs it computes before the loss (`beta` = the recipe's
-kl_coef), then backward, gradient clipping and its AdamW step. Steps alternate (ours, TRL) and the first
+kl_coef), then backward, gradient clipping and its AdamW step; its forward takes the batch's rows at once
+(per_device_train_batch_size = the batch, as `rtrl bench vs-trl` runs it). Steps alternate (ours, TRL) and the first
 of each is a warm-up; `step_s` is the median of the rest. Both run on `RTRL_BENCH_DEVICE` (default cpu), in
 fp32 or, with `RTRL_BENCH_DTYPE=bfloat16`, under bf16 autocast over fp32 weights (ours' rl.dtype; TRL's
 bf16 mixed precision). The base: `RTRL_BENCH_BASE`, else the default base model (built once and cached);
@@ -132,7 +133,8 @@ class TRLStep:
     """GRPOTrainer's optimisation of one generation batch, without its generation: the reference logprobs,
     compute_loss, backward, gradient clipping, AdamW."""
 
-    def __init__(self, base: Path, beta: float, device: torch.device, dtype: torch.dtype, out_dir: Path) -> None:
+    def __init__(self, base: Path, beta: float, device: torch.device, dtype: torch.dtype, out_dir: Path,
+                 rows: int, group_size: int) -> None:
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
@@ -141,13 +143,13 @@ class TRLStep:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         args = GRPOConfig(
             output_dir=str(out_dir), learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.0,
-            max_grad_norm=1.0, per_device_train_batch_size=8, num_generations=8, beta=beta,
+            max_grad_norm=1.0, per_device_train_batch_size=rows, num_generations=group_size, beta=beta,
             router_aux_loss_coef=0.0, epsilon=0.2, epsilon_high=0.28, use_cpu=device.type == "cpu",
             bf16=dtype == torch.bfloat16, report_to="none", disable_tqdm=True, gradient_checkpointing=False,
             save_strategy="no", logging_steps=1)
         self.trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
                                    args=args, processing_class=tokenizer,
-                                   train_dataset=Dataset.from_dict({"prompt": ["unused"] * 8}))
+                                   train_dataset=Dataset.from_dict({"prompt": ["unused"] * rows}))
         self.trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which we do not run
         self.model = self.trainer.model.to(device).train()
         self.optimizer = self.trainer.create_optimizer()
@@ -202,7 +204,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             base = ensure_base_model(load_config(PretrainConfig, CONFIGS / "pretrain" / "default.toml"))
         batch = grpo_batch(base, shape)
         ours = RLTrainer.open(Path(tmp) / "ours", base, rl)
-        trl = TRLStep(base, rl.kl_coef, device, getattr(torch, dtype_name), Path(tmp) / "trl")
+        trl = TRLStep(base, rl.kl_coef, device, getattr(torch, dtype_name), Path(tmp) / "trl", len(batch),
+                      shape.group_size)
         prompt_len = shape.system + shape.task
         times: dict[str, list[float]] = {"ours": [], "trl": []}
         metrics: dict[str, float] = {}
