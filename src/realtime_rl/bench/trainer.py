@@ -6,7 +6,8 @@ schemas) and its group's task prompt (90), then 1-4 turns, each a reply (trained
 tool result (context, 20-80). Token ids are random (a forward costs the same for any ids). The
 behaviour logprobs and the routing are the base model's own, recorded ahead of the timing by one no-grad
 forward per episode, the prompts' routing shared as the engine's prefix cache shares it; half of each
-group passes.
+group passes. Each step trains the same batch again: the first at ratio 1, later ones against the drift of
+the steps before (on random tokens IcePop masks about a third of them), which changes no step's cost.
 
 Ours: `RLTrainer.step` with the recipe's loss (decoupled PPO clip, TIS, IcePop, k3 KL to the base, router
 replay), its micro-batches and shared prefixes. TRL: `GRPOTrainer.compute_loss` on the same episodes as
