@@ -73,12 +73,18 @@ def test_cascade_attention_on_cuda_matches_each_rows_own(dtype, by_row):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prefix_attention_on_cuda_matches_cpu_with_its_gradients(dtype):
-    """The trainer's prefix attention on CUDA (one fused call, its causal mask aligned to the last key) against
-    the CPU path of two merged flash calls: the output and the gradient of every input, the prefix's summed
-    over the rows that read it."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"], ids=["fp32", "bf16", "autocast"])
+def test_prefix_attention_on_cuda_matches_cpu_with_its_gradients(dtype, monkeypatch):
+    """The trainer's prefix attention on CUDA (one fused call, its causal mask aligned to the last key, never a
+    materialised mask) against the CPU path of two merged flash calls: the output and the gradient of every
+    input, the prefix's summed over the rows that read it. "autocast": the bf16 trainer's inputs, q and k fp32
+    out of their RMSNorm and v bf16 out of its projection, under autocast."""
+    from torch.nn.attention.bias import CausalBias
+
     from realtime_rl.model.shared_prefix import prefix_attention
+
+    def materialised(*_, **__):
+        raise AssertionError("CUDA fell back to a materialised mask: no fused kernel took the inputs")
 
     B, H, K, T, P, D = 3, 4, 2, 40, 24, 32
     g = torch.Generator().manual_seed(0)
@@ -87,14 +93,18 @@ def test_prefix_attention_on_cuda_matches_cpu_with_its_gradients(dtype):
               torch.randn(B, K, T, D, generator=g)]
     upstream = torch.randn(B, H, T, D, generator=g)
 
-    def run(device: str, cast: torch.dtype) -> list[torch.Tensor]:
-        leaves = [t.to(device, cast, copy=True).requires_grad_() for t in inputs]
+    def run(device: str, cast: torch.dtype | str) -> list[torch.Tensor]:
+        dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16] if cast == "autocast" \
+            else [cast] * 5
+        leaves = [t.to(device, d, copy=True).requires_grad_() for t, d in zip(inputs, dtypes)]
         q, k_pre, v_pre, k_own, v_own = leaves
-        out = prefix_attention(q, k_pre.expand(B, -1, -1, -1), v_pre.expand(B, -1, -1, -1), k_own, v_own)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cast == "autocast"):
+            out = prefix_attention(q, k_pre.expand(B, -1, -1, -1), v_pre.expand(B, -1, -1, -1), k_own, v_own)
         (out.float() * upstream.to(device)).sum().backward()
         return [out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves]
 
     want = run("cpu", torch.float32)
+    monkeypatch.setattr(CausalBias, "_materialize", materialised)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for got, expected in zip(run("cuda", dtype), want, strict=True):
         torch.testing.assert_close(got, expected, atol=tol * max(1.0, float(expected.abs().max())), rtol=0)

@@ -11,11 +11,13 @@ the steps before (on random tokens IcePop masks about a third of them), which ch
 
 Ours: `RLTrainer.step` with the recipe's loss (decoupled PPO clip, TIS, IcePop, k3 KL to the base, router
 replay), its micro-batches and shared prefixes. TRL: `GRPOTrainer.compute_loss` on the same episodes as
-TRL lays them out (prompt left-padded, the turns right-padded as one completion, the tool results masked by
-`tool_mask`), with the reference model's logprobs it computes before the loss (`beta` = the recipe's
-kl_coef), then backward, gradient clipping and its AdamW step; its forward takes the batch's rows at once
-(per_device_train_batch_size = the batch, as `rtrl bench vs-trl` runs it). Steps alternate (ours, TRL) and the first
-of each is a warm-up; `step_s` is the median of the rest. Both run on `RTRL_BENCH_DEVICE` (default cpu), in
+TRL lays them out (the prompt, whose rows here are all one length, then the turns right-padded as one
+completion, the tool results masked by `tool_mask`), with the reference model's logprobs it computes before
+the loss (`beta` = the recipe's kl_coef), then its loss (TRL's default, token-level "dapo"; ours aggregates
+by episode: the same cost), backward, gradient clipping and its AdamW step; its forward takes the batch's rows
+at once (per_device_train_batch_size = the batch, as `rtrl bench vs-trl` runs it). Steps alternate (ours,
+TRL) and the first of each is a warm-up; `ours_step_s` / `trl_step_s` are the medians of the rest and
+`speedup_vs_trl_min` the ratio of the fastest (TRL's steps speed up over the first few). Both run on `RTRL_BENCH_DEVICE` (default cpu), in
 fp32 or, with `RTRL_BENCH_DTYPE=bfloat16`, under bf16 autocast over fp32 weights (ours' rl.dtype; TRL's
 bf16 mixed precision). The base: `RTRL_BENCH_BASE`, else the default base model (built once and cached);
 `--quick`: a seconds-sized base and a small batch.
@@ -193,7 +195,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     dtype_name = os.environ.get("RTRL_BENCH_DTYPE", "float32")
     if dtype_name not in ("float32", "bfloat16"):
         raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype_name!r}")
-    shape, repeats = (QUICK, 1) if quick else (FULL, 3)
+    shape, repeats = (QUICK, 1) if quick else (FULL, 5)
     recipe = load_config(TrainConfig, CONFIGS / "train" / "default.toml")
     rl = recipe.rl.model_copy(update={"device": str(device), "dtype": dtype_name})
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-trainer-") as tmp:
@@ -221,6 +223,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "ours_step_s": ours_s,
         "trl_step_s": trl_s,
         "speedup_vs_trl": trl_s / ours_s,
+        "speedup_vs_trl_min": min(times["trl"][1:]) / min(times["ours"][1:]),
         "ours_trained_tokens_per_s": trained / ours_s,
         "trl_trained_tokens_per_s": trained / trl_s,
         "ours_forward_token_fraction": metrics.get("train/forward_token_fraction"),
