@@ -37,10 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from realtime_rl.bench.learn import CONFIGS, smoke_base
-from realtime_rl.config import PretrainConfig, TrainConfig, load_config
+from realtime_rl.bench.learn import base_and_recipe
 from realtime_rl.model import load_checkpoint, sequence_logprobs
-from realtime_rl.train import RLTrainer, ensure_base_model
+from realtime_rl.train import RLTrainer
 from realtime_rl.types import Episode, Segment
 
 
@@ -157,11 +156,11 @@ class TRLStep:
         self.model = self.trainer.model.to(device).train()
         self.optimizer = self.trainer.create_optimizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.group_size = device, dtype, group_size
 
-    def step(self, episodes: list[Episode], group_size: int, prompt_len: int) -> float:
-        """One optimizer step on `episodes`; returns the loss."""
-        inputs = trl_inputs(episodes, group_size, prompt_len, self.pad_id, self.device)
+    def step(self, episodes: list[Episode], prompt_len: int) -> float:
+        """One optimizer step on `episodes` (whole groups, in order); returns the loss."""
+        inputs = trl_inputs(episodes, self.group_size, prompt_len, self.pad_id, self.device)
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.dtype == torch.bfloat16
                     else contextlib.nullcontext())
         trainer = self.trainer
@@ -196,15 +195,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     if dtype_name not in ("float32", "bfloat16"):
         raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype_name!r}")
     shape, repeats = (QUICK, 1) if quick else (FULL, 5)
-    recipe = load_config(TrainConfig, CONFIGS / "train" / "default.toml")
-    rl = recipe.rl.model_copy(update={"device": str(device), "dtype": dtype_name})
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-trainer-") as tmp:
-        if os.environ.get("RTRL_BENCH_BASE"):
-            base = Path(os.environ["RTRL_BENCH_BASE"])
-        elif quick:
-            base = smoke_base(Path(tmp) / "base")
-        else:
-            base = ensure_base_model(load_config(PretrainConfig, CONFIGS / "pretrain" / "default.toml"))
+        base, recipe = base_and_recipe(quick, Path(tmp))  # the step reads only the recipe's rl section
+        rl = recipe.rl.model_copy(update={"device": str(device), "dtype": dtype_name})
         batch = grpo_batch(base, shape)
         ours = RLTrainer.open(Path(tmp) / "ours", base, rl)
         trl = TRLStep(base, rl.kl_coef, device, getattr(torch, dtype_name), Path(tmp) / "trl", len(batch),
@@ -215,7 +208,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         for r in range(repeats + 1):  # the first of each: a warm-up
             episodes = fresh(batch, r, ours.version)
             times["ours"].append(_timed(lambda: metrics.update(ours.step(episodes)), device))
-            times["trl"].append(_timed(lambda: trl.step(episodes, shape.group_size, prompt_len), device))
+            times["trl"].append(_timed(lambda: trl.step(episodes, prompt_len), device))
     ours_s, trl_s = (statistics.median(times[k][1:]) for k in ("ours", "trl"))
     trained = sum(e.num_generated for e in batch)
     tokens = sum(e.num_tokens for e in batch)
