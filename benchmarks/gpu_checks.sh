@@ -7,11 +7,12 @@
 #     bash benchmarks/gpu_checks.sh run           # env, pytest -m gpu, mismatch and trainer on CUDA, bench async
 #
 # run's knobs (environment): CHECKS=0 skips the tests, mismatch and trainer; ASYNC=0 skips the async bench;
-# GPU_TESTS (default tests/gpu); MISMATCH and TRAINER (dtypes, default "bfloat16 float32"; " " for none); BUDGET_S (seconds the whole
-# run may take, default 540: the async bench gets what is left); STEPS, EVAL (the bench's steps and eval
+# GPU_TESTS (default tests/gpu); MISMATCH and TRAINER (dtypes, default "bfloat16 float32"; " " for none); TRAINER_SET
+# (bench trainer's --set arguments: each dtype runs again with them, trainer_cuda_<dtype>_set.json); BUDGET_S (seconds the whole
+# run may take, default 540: the async bench gets what is left, and runs only if that is ASYNC_MIN_S, default 300); STEPS, EVAL (the bench's steps and eval
 # tasks); ASYNC_SET (its --set overrides; default: the trainer on the GPU in bf16, engines on 12 CPU workers).
 # What lands in $OUT comes back (8 files at most): env.txt, checks.log (the tests' and the benches' output),
-# mismatch_cuda_*.json, trainer_cuda_*.json, async_cuda.json, async.log. All the checks and the async bench do not
+# mismatch_cuda_*.json, trainer_cuda_*.json (at most 3 with async), async_cuda.json, async.log. All the checks and the async bench do not
 # fit one call's 10 minutes: the async bench runs only with 300 s of BUDGET_S left. Seen on an H100 (2026-11-27):
 # tests/gpu/test_cuda_model.py ~10 s; the async bench (20 steps, 24 eval tasks, 12 workers) ~420 s.
 set -u
@@ -69,11 +70,16 @@ run() {
       log "trainer cuda $dt"
       RTRL_BENCH_BASE=.device/base RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 150 \
         $rtrl bench trainer --json "$OUT/trainer_cuda_$dt.json" 2>&1 | tee -a "$OUT/checks.log" | grep -A6 '"metrics"'
+      [ -n "${TRAINER_SET:-}" ] || continue
+      log "trainer cuda $dt $TRAINER_SET"
+      RTRL_BENCH_BASE=.device/base RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 150 \
+        $rtrl bench trainer --json "$OUT/trainer_cuda_${dt}_set.json" $TRAINER_SET 2>&1 | tee -a "$OUT/checks.log" \
+        | grep -A6 '"metrics"'
     done
   fi
   [ "${ASYNC:-1}" = 1 ] || { log end; return; }
   local left=$(( ${BUDGET_S:-540} - ($(date +%s) - t0) - 15 ))
-  if [ "$left" -lt 300 ]; then  # the bench took ~420 s on an H100 (2026-11-27): less cannot finish
+  if [ "$left" -lt "${ASYNC_MIN_S:-300}" ]; then  # 20 steps took ~360-420 s on an H100/H200 (2026-11-27)
     log "async bench skipped: $left s left of BUDGET_S (run it with CHECKS=0 or fewer checks)"; return
   fi
   log "async bench, $left s left"

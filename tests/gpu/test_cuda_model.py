@@ -108,3 +108,13 @@ def test_prefix_attention_on_cuda_matches_cpu_with_its_gradients(dtype, monkeypa
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for got, expected in zip(run("cuda", dtype), want, strict=True):
         torch.testing.assert_close(got, expected, atol=tol * max(1.0, float(expected.abs().max())), rtol=0)
+
+
+def test_grouped_experts_on_cuda_match_the_loop_with_their_gradients():
+    """The bf16 trainer's experts on CUDA: grouped matmuls (casts to bf16 under autocast, no per-expert loop, no
+    read of the counts) against the per-expert loop under autocast, output and every gradient."""
+    from tests.unit.test_model import expert_paths
+
+    got = expert_paths("cuda", autocast=True)
+    for grouped, looped in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(grouped, looped, atol=2e-2 * float(looped.abs().max()), rtol=0)

@@ -15,10 +15,10 @@ def run(*args, timeout=300):
     return subprocess.run([*RTRL, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def bench_quick(name, tmp_path):
-    """`rtrl bench NAME --quick --json PATH`'s JSON, the command having succeeded."""
+def bench_quick(name, tmp_path, *args):
+    """`rtrl bench NAME --quick --json PATH [ARGS]`'s JSON, the command having succeeded."""
     out = tmp_path / f"{name}.json"
-    proc = run("bench", name, "--quick", "--json", str(out))
+    proc = run("bench", name, "--quick", "--json", str(out), *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text())
 
@@ -94,7 +94,9 @@ def test_bench_engine_quick_writes_json(tmp_path):
 
 @pytest.mark.slow
 def test_bench_trainer_quick_times_both_steps_on_one_batch(tmp_path):
-    m = bench_quick("trainer", tmp_path)["metrics"]
+    result = bench_quick("trainer", tmp_path, "--set", "rl.micro_batch_tokens=100000")
+    m = result["metrics"]
+    assert result["overrides"] == ["rl.micro_batch_tokens=100000"]
     assert m["ours_step_s"] > 0 and m["trl_step_s"] > 0 and m["speedup_vs_trl"] == m["trl_step_s"] / m["ours_step_s"]
     assert 0 < m["trained_tokens"] < m["tokens"] <= m["padded_tokens_trl"]
     assert len(m["ours_step_s_all"]) == len(m["trl_step_s_all"]) == m["repeats"] + 1

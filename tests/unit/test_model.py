@@ -186,8 +186,49 @@ def test_bf16_forward_runs_and_tracks_fp32(tiny_policy):
     assert (low - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-def test_inference_and_training_expert_paths_agree(tiny_moe):
-    """Under no_grad the experts run as grouped matmuls; with grad, as a per-expert loop."""
+def expert_paths(device: str, autocast: bool, seed: int = 0) -> dict[bool, list[torch.Tensor]]:
+    """One expert block's output and the gradients of its input, mixing weights and expert weights, through the
+    grouped matmuls (True) and the per-expert loop (False), on the same inputs. Experts 5 and 6 get no token."""
+    from realtime_rl.model.moe import Experts
+
+    config = tiny_config(moe=True)
+    g = torch.Generator().manual_seed(seed)
+    experts = Experts(config).to(device)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    N, k = 50, config.num_experts_per_tok
+    x = torch.randn(N, config.hidden_size, generator=g)
+    indices = torch.tensor([[0, 7], [1, 2], [3, 4]])[torch.randint(0, 3, (N,), generator=g)]
+    weights = torch.rand(N, k, generator=g)
+    upstream = torch.randn(N, config.hidden_size, generator=g)
+    out = {}
+    for grouped in (True, False):
+        experts.zero_grad(set_to_none=True)
+        leaves = [t.to(device).requires_grad_() for t in (x, weights)]
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            y = experts(leaves[0], indices.to(device), leaves[1], grouped=grouped)
+        (y.float() * upstream.to(device)).sum().backward()
+        out[grouped] = [t.detach().float().cpu() for t in (y, *(t.grad for t in leaves),
+                                                           experts.gate_up_proj.grad, experts.down_proj.grad)]
+    return out
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_grouped_and_looped_experts_agree_with_their_gradients(autocast):
+    """The trainer's experts run as grouped matmuls wherever their kernels take the dtype (every dtype on CPU):
+    the same output and gradients as the per-expert loop, unused experts' gradients zero."""
+    got = expert_paths("cpu", autocast)
+    for grouped, looped in zip(got[True], got[False], strict=True):
+        if autocast:  # bf16 matmuls in both, summed in their own orders
+            torch.testing.assert_close(grouped, looped, atol=2e-2 * float(looped.abs().max()), rtol=0)
+        else:
+            torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
+    assert not got[True][3][5:7].any() and not got[True][4][5:7].any()
+
+
+def test_inference_and_training_paths_agree(tiny_moe):
+    """No grad (the engine: one custom op the compiled decode keeps whole) against grad (the trainer)."""
     ids = _ids()
     with torch.no_grad():
         fast = tiny_moe(ids).logits_BTV

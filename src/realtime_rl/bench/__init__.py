@@ -25,14 +25,15 @@ BENCHMARKS = {
     "mismatch": "engine logprobs against the trainer's full-sequence forward on a tiny MoE, with and without router replay",
     "delta": "weight-delta ratio vs the peers' encodings and the entropy bound on real AdamW steps, codec speed, swap pause",
     "learn": "held-out pass@1 of the default base model, then after the default RL recipe, and the RL wall time",
-    "trainer": "one RL step of our trainer against TRL GRPOTrainer's on the same GRPO batch (device, dtype by env)",
+    "trainer": "one RL step of our trainer against TRL GRPOTrainer's on the same GRPO batch (rl.device, rl.dtype)",
     "async": "synchronous (staleness 0) against asynchronous RL: wall time for the same steps, trainer idle, pass@1",
     "vs-trl": "our trainer against TRL's GRPOTrainer: same base, tasks, reward and machine; minutes to the same pass rate",
     "ingest": "durable feedback events/s over HTTP into `rtrl serve` (SQLite, Postgres) with retries: lost, duplicated",
 }
-RECIPE_BENCHMARKS = ("learn", "async", "vs-trl")
+RECIPE_BENCHMARKS = ("learn", "trainer", "async", "vs-trl")
 """The benchmarks that run the RL recipe (configs/train/default.toml); `--set KEY=VALUE` changes it there
-(vs-trl: only how ours spreads over the machine, `vs_trl.MACHINE_FIELDS`)."""
+(trainer: its `rl` section, ours' side only; vs-trl: only how ours spreads over the machine,
+`vs_trl.MACHINE_FIELDS`)."""
 
 
 def environment() -> dict[str, Any]:

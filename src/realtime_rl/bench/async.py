@@ -59,6 +59,11 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "speedup": sync["minutes"] / asyn["minutes"],
         "trainer_idle_fraction_sync": sync["trainer_idle_fraction"],
         "trainer_idle_fraction_async": asyn["trainer_idle_fraction"],
+        # Without each run's wait for its first batch (a fixed cost a short bench does not amortise).
+        "trainer_idle_fraction_sync_after_fill": sync["trainer_idle_fraction_after_fill"],
+        "trainer_idle_fraction_async_after_fill": asyn["trainer_idle_fraction_after_fill"],
+        "sync_fill_s": sync["fill_s"],
+        "async_fill_s": asyn["fill_s"],
         "sync_pass_at_1": sync["pass_at_1"],
         "async_pass_at_1": asyn["pass_at_1"],
         "sync_train_reward_last3": sync["reward_last_mean"],

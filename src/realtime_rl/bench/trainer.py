@@ -17,10 +17,11 @@ the loss (`beta` = the recipe's kl_coef), then its loss (TRL's default, token-le
 by episode: the same cost), backward, gradient clipping and its AdamW step; its forward takes the batch's rows
 at once (per_device_train_batch_size = the batch, as `rtrl bench vs-trl` runs it). Steps alternate (ours,
 TRL) and the first of each is a warm-up; `ours_step_s` / `trl_step_s` are the medians of the rest and
-`speedup_vs_trl_min` the ratio of the fastest (TRL's steps speed up over the first few). Both run on `RTRL_BENCH_DEVICE` (default cpu), in
-fp32 or, with `RTRL_BENCH_DTYPE=bfloat16`, under bf16 autocast over fp32 weights (ours' rl.dtype; TRL's
-bf16 mixed precision). The base: `RTRL_BENCH_BASE`, else the default base model (built once and cached);
-`--quick`: a seconds-sized base and a small batch.
+`speedup_vs_trl_min` the ratio of the fastest (TRL's steps speed up over the first few). Both run on the
+recipe's `rl.device` (`RTRL_BENCH_DEVICE` wins; default cpu), in fp32 or, with `rl.dtype` (or
+`RTRL_BENCH_DTYPE`) bfloat16, under bf16 autocast over fp32 weights (TRL's bf16 mixed precision). `--set
+rl.KEY=VALUE` changes our side's recipe (micro-batch size, shared runs). The base: `RTRL_BENCH_BASE`, else the
+default base model (built once and cached); `--quick`: a seconds-sized base and a small batch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,15 +191,15 @@ def _timed(fn: Any, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    device = torch.device(os.environ.get("RTRL_BENCH_DEVICE", "cpu"))
-    dtype_name = os.environ.get("RTRL_BENCH_DTYPE", "float32")
-    if dtype_name not in ("float32", "bfloat16"):
-        raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype_name!r}")
-    shape, repeats = (QUICK, 1) if quick else (FULL, 5)
+def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-trainer-") as tmp:
-        base, recipe = base_and_recipe(quick, Path(tmp))  # the step reads only the recipe's rl section
+        base, recipe = base_and_recipe(quick, Path(tmp), overrides)  # the step reads only the recipe's rl section
+        device = torch.device(os.environ.get("RTRL_BENCH_DEVICE", recipe.rl.device))
+        dtype_name = os.environ.get("RTRL_BENCH_DTYPE", recipe.rl.dtype)
+        if dtype_name not in ("float32", "bfloat16"):
+            raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype_name!r}")
         rl = recipe.rl.model_copy(update={"device": str(device), "dtype": dtype_name})
+        shape, repeats = (QUICK, 1) if quick else (FULL, 5)
         batch = grpo_batch(base, shape)
         ours = RLTrainer.open(Path(tmp) / "ours", base, rl)
         trl = TRLStep(base, rl.kl_coef, device, getattr(torch, dtype_name), Path(tmp) / "trl", len(batch),

@@ -19,19 +19,26 @@ from torch import nn
 
 from realtime_rl.config import ModelConfig
 
-# torch >= 2.10 has a grouped matmul with CPU and CUDA kernels; its CPU backward is not usable yet,
-# so training keeps the per-expert loop. Inference runs the experts' SwiGLU as one custom op whose
-# output shape is declared here, so that torch.compile (the engine's compiled decode) keeps it as one
-# opaque kernel per layer: grouped_mm's own meta function rejects fp32.
+# torch >= 2.10 has a grouped matmul (`F.grouped_mm`) with CPU and CUDA kernels and their backward: the
+# experts' SwiGLU runs as two of them, with no Python loop over experts and no read of the per-expert counts
+# (a device sync on a GPU). CUDA's kernels take bf16 only, so fp32 on a GPU keeps the per-expert loop.
+# Inference runs them as one custom op whose output shape is declared here, so that torch.compile (the
+# engine's compiled decode) keeps it as one opaque kernel per layer: grouped_mm's own meta function rejects
+# fp32. Training calls the same two matmuls directly (autograd differentiates them; the op has no backward).
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def _grouped_swiglu(x_MC: torch.Tensor, gate_up_EFC: torch.Tensor, down_ECI: torch.Tensor,
+                    offs_E: torch.Tensor) -> torch.Tensor:
+    gate, up = F.grouped_mm(x_MC, gate_up_EFC.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
+    return F.grouped_mm((F.silu(gate) * up).contiguous(), down_ECI.transpose(-2, -1), offs=offs_E)
 
 
 @torch.library.custom_op("rtrl::expert_swiglu", mutates_args=())
 def expert_swiglu(x_MC: torch.Tensor, gate_up_EFC: torch.Tensor, down_ECI: torch.Tensor,
                   offs_E: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert (offs_E: cumulative row counts, int32) through each expert's SwiGLU."""
-    gate, up = F.grouped_mm(x_MC, gate_up_EFC.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
-    return F.grouped_mm((F.silu(gate) * up).contiguous(), down_ECI.transpose(-2, -1), offs=offs_E)
+    return _grouped_swiglu(x_MC, gate_up_EFC, down_ECI, offs_E)
 
 
 @expert_swiglu.register_fake
@@ -59,8 +66,6 @@ class Router(nn.Module):
                 raise ValueError(
                     f"replayed routing has shape {tuple(indices_NK.shape)}, expected ({x_NC.shape[0]}, {self.top_k})"
                 )
-            if indices_NK.numel() and (int(indices_NK.min()) < 0 or int(indices_NK.max()) >= probs_NE.shape[1]):
-                raise ValueError(f"replayed routing names an expert outside 0..{probs_NE.shape[1] - 1}")
             weights_NK = probs_NE.gather(1, indices_NK)
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
@@ -75,7 +80,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def forward(self, x_NC: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_NC: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor,
+                grouped: bool | None = None) -> torch.Tensor:
+        """Each token through its k experts, mixed by weights_NK. grouped: the grouped matmuls (default:
+        wherever their kernels take the compute dtype) or the per-expert loop, which gives the same sums."""
         # Group the (token, slot) pairs by expert: one sort, then one matmul per expert (or one grouped matmul).
         flat_expert_M = indices_NK.reshape(-1)
         order_M = torch.argsort(flat_expert_M, stable=True)
@@ -85,9 +93,15 @@ class Experts(nn.Module):
         # A count of static shape (bincount's depends on the data, which torch.compile cannot trace).
         counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=x_NC.device).scatter_add_(
             0, flat_expert_M, torch.ones_like(flat_expert_M))
-        if _HAS_GROUPED_MM and not torch.is_grad_enabled() and (x_NC.is_cpu or x_NC.dtype == torch.bfloat16):
-            # Inference: two grouped matmuls instead of a Python loop over experts (CUDA's take bf16 only).
-            y_MC = expert_swiglu(x_MC, self.gate_up_proj, self.down_proj, counts_E.cumsum(0).to(torch.int32))
+        device = x_NC.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_NC.dtype
+        if grouped is None:
+            grouped = _HAS_GROUPED_MM and (device == "cpu" or dtype == torch.bfloat16)
+        if grouped:
+            # Autocast does not cover grouped_mm: cast to its dtype here (the casts are differentiable).
+            args = (x_MC.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype),
+                    counts_E.cumsum(0).to(torch.int32))
+            y_MC = _grouped_swiglu(*args) if torch.is_grad_enabled() else expert_swiglu(*args)
         else:
             parts = []
             start = 0
@@ -96,8 +110,8 @@ class Experts(nn.Module):
                     gate, up = F.linear(x_MC[start:start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
                     parts.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
                     start += count
-            y_MC = torch.cat(parts)
-        return torch.zeros_like(x_NC).index_add_(0, token_M, y_MC * w_M[:, None])
+            y_MC = torch.cat(parts) if parts else x_MC[:0]
+        return torch.zeros_like(x_NC).index_add_(0, token_M, (y_MC * w_M[:, None]).to(x_NC.dtype))
 
 
 class SparseMoeBlock(nn.Module):

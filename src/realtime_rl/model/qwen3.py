@@ -146,11 +146,19 @@ class Qwen3ForCausalLM(nn.Module):
             if kv_cache is not None or (shared_prefix is not None and shared_prefix.length is not None):
                 raise ValueError("cached forward needs explicit positions")
             positions_BT = torch.arange(T, device=input_ids_BT.device).expand(B, T)
-        if replay_routing is not None and replay_routing.shape[:3] != (B, T, self.num_moe_layers):
-            raise ValueError(
-                f"replay_routing has shape {tuple(replay_routing.shape)}, "
-                f"expected ({B}, {T}, {self.num_moe_layers}, k)"
-            )
+        if replay_routing is not None:
+            if replay_routing.shape[:3] != (B, T, self.num_moe_layers):
+                raise ValueError(
+                    f"replay_routing has shape {tuple(replay_routing.shape)}, "
+                    f"expected ({B}, {T}, {self.num_moe_layers}, k)"
+                )
+            # Checked once for all layers (one read back from the device): an index out of range would end
+            # a CUDA process in a device-side assert instead of an error.
+            E = self.config.num_experts
+            if replay_routing.numel():
+                low, high = torch.stack(torch.aminmax(replay_routing)).tolist()
+                if low < 0 or high >= E:
+                    raise ValueError(f"replayed routing names an expert outside 0..{E - 1}")
         x_BTC = self.model.embed_tokens(input_ids_BT)
         cos_sin = self.model.rotary_emb(positions_BT, x_BTC.dtype)
         cache_step = None

@@ -71,7 +71,8 @@ class SharedPrefix:
             self.length = start + T
             return _Record(self)
         P = self.length
-        if int(positions_BT[:, 0].min()) != P or int(positions_BT[:, 0].max()) != P:
+        first, last = torch.stack(torch.aminmax(positions_BT[:, 0])).tolist()  # one read back from the device
+        if first != P or last != P:
             raise ValueError(f"rows continuing a shared prefix of {P} tokens must start at position {P}")
         return _Extend(self, B)
 

@@ -93,6 +93,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     idle_s, straggler_s, first_version, history = 0.0, 0.0, trainer.version, []
+    fill_s, fill_idle_s = None, 0.0  # start to this run's first step (the pipeline filling), and its idle part
     columns = (TextColumn("train"), BarColumn(), TextColumn("v{task.completed}/{task.total} {task.fields[info]}"),
                TimeElapsedColumn())
     try:
@@ -133,6 +134,8 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     continue
 
                 t_step = time.perf_counter()
+                if fill_s is None:
+                    fill_s, fill_idle_s = t_step - t_start, idle_s
                 metrics = trainer.step([e for g in batch for e in g])
                 trainer.save(config.checkpoint_keep)
                 backend.publish(trainer.weights(), trainer.version)
@@ -169,6 +172,10 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
         "steps_this_run": trainer.version - first_version,
         "minutes": elapsed / 60,
         "trainer_idle_fraction": idle_s / max(elapsed, 1e-9),
+        # The same after the first batch arrived: the steady state a run of many more steps approaches.
+        "fill_s": fill_s,
+        "trainer_idle_fraction_after_fill": (None if fill_s is None else
+                                             (idle_s - fill_idle_s) / max(elapsed - fill_s, 1e-9)),
         "reward_first": rewards[0] if rewards else None,
         "reward_last_mean": float(np.mean(rewards[-3:])) if rewards else None,
         "dropped_stale_groups": buffer.dropped,

@@ -62,11 +62,6 @@ CONSUMED_VERSIONS = 16
 let `step` refuse an episode given again a few steps later."""
 
 
-MIN_RUN_SHARED = 16
-"""Leading inputs rows must share beyond their micro-batch's prefix for `_batch` to compute them once per run
-of such rows (fewer is not worth the extra forward calls)."""
-
-
 def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
     """The offline reward: 1 if the graded workspace passes (hidden tests included), minus a penalty
     per malformed tool call. The episode's own `reward` wins when a reward stage already set it."""
@@ -383,12 +378,12 @@ class RLTrainer:
         replay = routing is not None
         if B > 1:
             prefix = min(_shared_inputs(micro[0][0], seg, routing=replay) for seg, _ in micro[1:])
-        runs: list[tuple[list[int], int]] = []  # adjacent rows sharing MIN_RUN_SHARED inputs past the prefix
+        runs: list[tuple[list[int], int]] = []  # adjacent rows sharing rl.shared_run_min_tokens past the prefix
         for b, (seg, _) in enumerate(micro):
             if runs:
                 members, q = runs[-1]
                 shared = _shared_inputs(micro[members[0]][0], seg, routing=replay)
-                if shared - prefix >= MIN_RUN_SHARED:
+                if shared - prefix >= self.config.shared_run_min_tokens:
                     runs[-1] = (members + [b], min(q, shared))
                     continue
             runs.append(([b], len(seg.token_ids)))
