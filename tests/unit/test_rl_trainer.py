@@ -15,7 +15,13 @@ from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM
 from realtime_rl.rollout import StalenessBuffer, TrajectoryLog
 from realtime_rl.train import RLTrainer
-from realtime_rl.train.rl import CONSUMED_VERSIONS, STATE_FILE, _micro_batches
+from realtime_rl.train.rl import (
+    CONSUMED_VERSIONS,
+    MICRO_BATCH_TOKENS,
+    SHARED_RUN_MIN_TOKENS,
+    STATE_FILE,
+    _micro_batches,
+)
 from realtime_rl.types import Episode, Segment, episode_from_bytes, episode_to_bytes
 from tests.conftest import tiny_config
 
@@ -192,6 +198,22 @@ def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, sy
     torch.testing.assert_close(lp_shared, batch.behaviour, atol=1e-5, rtol=0)  # the engine's, under replay
     for g, h in zip(grads_shared, grads_separate):
         torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-3)
+    # A GPU's default: no group's prompt is worth a forward call of its own; every row continues the prefix.
+    trainer.shared_run_min_tokens = SHARED_RUN_MIN_TOKENS["gpu"]
+    flat = trainer._batch(packed)
+    assert [(len(rows), q) for rows, q, _ in flat.calls] == [(8, len(system))]
+    lp_flat, grads_flat = _logprobs_and_grads(trainer, [flat])
+    torch.testing.assert_close(lp_flat, lp_separate, atol=1e-5, rtol=0)
+    for g, h in zip(grads_flat, grads_separate):
+        torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-3)
+
+
+def test_micro_batch_size_and_shared_runs_default_by_device(tmp_path):
+    trainer = RLTrainer(_model(), None, RLConfig(), tmp_path / "cpu")
+    assert (trainer.micro_batch_tokens, trainer.shared_run_min_tokens) == (8192, 16)
+    assert (MICRO_BATCH_TOKENS["cpu"], SHARED_RUN_MIN_TOKENS["cpu"]) == (8192, 16)
+    chosen = RLTrainer(_model(), None, RLConfig(micro_batch_tokens=512, shared_run_min_tokens=4), tmp_path / "set")
+    assert (chosen.micro_batch_tokens, chosen.shared_run_min_tokens) == (512, 4)
 
 
 def test_each_segment_trains_with_the_episode_advantage(tmp_path):

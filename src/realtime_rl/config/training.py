@@ -136,13 +136,14 @@ class RLConfig(StrictModel):
     non-zero every generated token of the step carries it, groups without reward signal included."""
     router_replay: bool = True
     """R3: the trainer's forward uses the routing the engine recorded for each token (MoE models)."""
-    micro_batch_tokens: int = Field(8192, ge=64)
+    micro_batch_tokens: int | None = Field(None, ge=64)
     """Input positions a forward/backward micro-batch may hold, its shared prefix once and its rows padded
-    (gradients accumulate over micro-batches). Larger: fewer, bigger forwards (a GPU's choice), more memory."""
-    shared_run_min_tokens: int = Field(16, ge=1)
+    (gradients accumulate over micro-batches); the memory knob. Unset: 8192 on CPU, 65536 on a GPU, where a
+    small model's step is bound by its forward calls (train/rl.py)."""
+    shared_run_min_tokens: int | None = Field(None, ge=1)
     """Leading inputs adjacent rows (a GRPO group's) must share beyond their micro-batch's prefix for the
-    forward to compute them once for the run, at the cost of one more forward call per run. Positions cost
-    more than calls on CPU; on a GPU a small model's forward is bound by its calls, so set it high there."""
+    forward to compute them once for the run, at the cost of one more forward call per run. Unset: 16 on CPU,
+    where positions cost more than calls; on a GPU, never (train/rl.py)."""
     malformed_penalty: float = Field(0.0, ge=0.0, le=10.0)
     """Subtracted from an episode's reward per malformed tool call."""
     device: str = Field("cpu", pattern=DEVICE_PATTERN)

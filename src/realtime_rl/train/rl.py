@@ -8,8 +8,8 @@
 A step, top to bottom: advantages per group (episodes sharing a group_id); every segment of an
 episode becomes its own training sequence carrying the episode's advantage (self-summarised episodes
 train each context window separately); segments are packed into micro-batches of at most
-`micro_batch_tokens` computed positions; each micro-batch runs one forward that replays the routing the
-engine recorded (so training sees the experts inference used), the loss of losses.py on the generated
+`micro_batch_tokens` computed positions (by device when unset); each micro-batch runs one forward that
+replays the routing the engine recorded (so training sees the experts inference used), the loss of losses.py on the generated
 tokens, and a backward; then one clipped AdamW step. The leading tokens a micro-batch's rows share (the
 system prompt and tool schemas every reply of the live loop starts with, with the same recorded routing)
 run once, with grad, and every row attends to them (model/shared_prefix.py); so does the rest of the
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
@@ -60,6 +61,15 @@ STATE_FILE = "trainer_state.pt"
 CONSUMED_VERSIONS = 16
 """Versions whose consumed episode ids a checkpoint keeps: one would do for a resume (see above); the rest
 let `step` refuse an episode given again a few steps later."""
+
+
+MICRO_BATCH_TOKENS = {"cpu": 8192, "gpu": 65536}
+SHARED_RUN_MIN_TOKENS = {"cpu": 16, "gpu": sys.maxsize}
+"""rl.micro_batch_tokens and rl.shared_run_min_tokens when unset. One RL step of the recipe's shape (32
+episodes, `rtrl bench trainer`) on an H200 in bf16: 0.89 s with the CPU's values (3 micro-batches, 11 forward
+calls and 11 more for the reference), 0.099 s with the GPU's (one micro-batch, 2 + 2 calls): a small model's
+step there is bound by the calls' kernel launches, not by the positions the shared runs save; on 2 CPU cores
+the GPU's values made the same step ~10-20% slower (BENCHMARKS.md, trainer)."""
 
 
 def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
@@ -188,6 +198,9 @@ class RLTrainer:
                 group["betas"], group["weight_decay"] = tuple(config.betas), decay_rate
         self.loss_config = LossConfig(config.clip_low, config.clip_high, config.tis_cap, config.icepop_low,
                                       config.icepop_high, config.kl_coef, config.entropy_coef)
+        kind = "cpu" if self.device.type == "cpu" else "gpu"
+        self.micro_batch_tokens = config.micro_batch_tokens or MICRO_BATCH_TOKENS[kind]
+        self.shared_run_min_tokens = config.shared_run_min_tokens or SHARED_RUN_MIN_TOKENS[kind]
         self._route_dtype = routing_dtype(max(1, model.config.num_experts))
         self._replays = bool(config.router_replay and model.num_moe_layers)
 
@@ -315,7 +328,7 @@ class RLTrainer:
                     continue
                 num_tokens = sum(items[i][0].num_generated for i in chosen)
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in _micro_batches([(items[i][0], items[i][1]) for i in chosen], cfg.micro_batch_tokens,
+                for micro in _micro_batches([(items[i][0], items[i][1]) for i in chosen], self.micro_batch_tokens,
                                             self._replays):
                     sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens, prox)
                     positions["computed"] += computed
@@ -378,12 +391,12 @@ class RLTrainer:
         replay = routing is not None
         if B > 1:
             prefix = min(_shared_inputs(micro[0][0], seg, routing=replay) for seg, _ in micro[1:])
-        runs: list[tuple[list[int], int]] = []  # adjacent rows sharing rl.shared_run_min_tokens past the prefix
+        runs: list[tuple[list[int], int]] = []  # adjacent rows sharing shared_run_min_tokens past the prefix
         for b, (seg, _) in enumerate(micro):
             if runs:
                 members, q = runs[-1]
                 shared = _shared_inputs(micro[members[0]][0], seg, routing=replay)
-                if shared - prefix >= self.config.shared_run_min_tokens:
+                if shared - prefix >= self.shared_run_min_tokens:
                     runs[-1] = (members + [b], min(q, shared))
                     continue
             runs.append(([b], len(seg.token_ids)))
@@ -437,7 +450,7 @@ class RLTrainer:
     def _logprobs_no_grad(self, items: list[tuple[Segment, float]]) -> dict[int, torch.Tensor]:
         """Proximal logprobs (current weights) of each segment's trained tokens, keyed by id(segment)."""
         out = {}
-        for micro in _micro_batches(items, self.config.micro_batch_tokens, self._replays):
+        for micro in _micro_batches(items, self.micro_batch_tokens, self._replays):
             batch = self._batch(micro)
             lp, _ = self._logprobs(batch)
             for (seg, _), part in zip(micro, lp.split(batch.rows)):
