@@ -4,17 +4,22 @@
 #   benchmarks/gpu_checks.sh prepare [BASE_DIR]   # here: wheels, Debian debs and the base model into
 #                                                 # .whl/ .debs/ .device/ (git-ignored via .git/info/exclude)
 #   device run, carry [".whl", ".debs", ".device"]:
-#     bash benchmarks/gpu_checks.sh run           # env, pytest -m gpu, mismatch and trainer on CUDA, bench async
+#     bash benchmarks/gpu_checks.sh run           # env, pytest -m gpu, mismatch, engine, trainer on CUDA, bench async
 #
 # run's knobs (environment): CHECKS=0 skips the tests, mismatch and trainer; ASYNC=0 skips the async bench;
-# GPU_TESTS (default tests/gpu); MISMATCH and TRAINER (dtypes, default "bfloat16 float32"; " " for none); TRAINER_SET
-# (bench trainer's --set arguments: each dtype runs again with them, trainer_cuda_<dtype>_set.json); BUDGET_S (seconds the whole
-# run may take, default 540: the async bench gets what is left, and runs only if that is ASYNC_MIN_S, default 300); STEPS, EVAL (the bench's steps and eval
-# tasks); ASYNC_SET (its --set overrides; default: the trainer on the GPU in bf16, engines on 12 CPU workers).
+# GPU_TESTS (default tests/gpu); MISMATCH and TRAINER (dtypes, default "bfloat16 float32"; " " for none);
+# ENGINE (dtypes for `rtrl bench engine` on CUDA, ours eager and compiled against transformers' generate; default
+# none); TRAINER_SET (bench trainer's --set arguments: each dtype runs again with them, trainer_cuda_<dtype>_set.json;
+# e.g. "--set rl.micro_batch_tokens=8192 --set rl.shared_run_min_tokens=16", the CPU's sizes);
+# BUDGET_S (seconds the whole run may take, default 540: the async bench gets what is left, and runs only when
+# that is at least ASYNC_MIN_S, default 300); STEPS, EVAL (the async bench's steps and eval tasks); ASYNC_SET
+# (its --set overrides; default: the trainer on the GPU in bf16, engines on 12 CPU workers).
 # What lands in $OUT comes back (8 files at most): env.txt, checks.log (the tests' and the benches' output),
-# mismatch_cuda_*.json, trainer_cuda_*.json (at most 3 with async), async_cuda.json, async.log. All the checks and the async bench do not
-# fit one call's 10 minutes: the async bench runs only with 300 s of BUDGET_S left. Seen on an H100 (2026-11-27):
-# tests/gpu/test_cuda_model.py ~10 s; the async bench (20 steps, 24 eval tasks, 12 workers) ~420 s.
+# mismatch_cuda_*.json, engine_cuda_*.json, trainer_cuda_*.json, async_cuda.json, async.log: pick the dtypes so
+# that they stay 8 (two MISMATCH and two TRAINER dtypes with TRAINER_SET and the async bench make 10).
+# Seen on an H200 (2026-11-27): machine start ~30 s, setup ~20 s, tests/gpu/test_cuda_model.py + one CUDA
+# trainer test ~20 s, bench trainer ~35 s a run; the async bench 20 steps with 24 eval tasks ~360 s, 10 steps
+# with 8 ~190 s; bench engine on CUDA not yet run.
 set -u
 PY=${PY:-.venv/bin/python}
 
@@ -60,6 +65,11 @@ run() {
       log "mismatch cuda $dt"
       RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 120 $rtrl bench mismatch --json "$OUT/mismatch_cuda_$dt.json" \
         2>&1 | tee -a "$OUT/checks.log" | grep -A12 '"metrics"'
+    done
+    for dt in ${ENGINE:-}; do
+      log "engine cuda $dt"
+      RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 240 $rtrl bench engine --json "$OUT/engine_cuda_$dt.json" \
+        2>&1 | tee -a "$OUT/checks.log" | grep -E '"(tokens_per_s|hf_tokens_per_s|speedup_vs_hf|eager_speedup_vs_hf|compile_s|compile_error)"'
     done
     local trainer=${TRAINER:-bfloat16 float32}
     local probe

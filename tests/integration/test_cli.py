@@ -93,10 +93,21 @@ def test_bench_engine_quick_writes_json(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_engine_in_bf16_measures_both_engines_and_skips_the_fp32_studies(tmp_path, monkeypatch):
+    """RTRL_BENCH_DTYPE places both models as rollout.dtype places an engine (RTRL_BENCH_DEVICE likewise)."""
+    monkeypatch.setenv("RTRL_BENCH_DTYPE", "bfloat16")
+    m = bench_quick("engine", tmp_path)["metrics"]
+    assert (m["device"], m["dtype"], m["compiled"]) == ("cpu", "bfloat16", True)
+    assert m["tokens_per_s"] > 0 and m["hf_tokens_per_s"] > 0 and m["swap_pause_ms"] > 0
+    assert "scattered_window_ms" not in m and "grpo_shared_s" not in m
+
+
+@pytest.mark.slow
 def test_bench_trainer_quick_times_both_steps_on_one_batch(tmp_path):
     result = bench_quick("trainer", tmp_path, "--set", "rl.micro_batch_tokens=100000")
     m = result["metrics"]
     assert result["overrides"] == ["rl.micro_batch_tokens=100000"]
+    assert m["ours_micro_batch_tokens"] == 100000 and m["ours_micro_batches"] == 1  # the override took
     assert m["ours_step_s"] > 0 and m["trl_step_s"] > 0 and m["speedup_vs_trl"] == m["trl_step_s"] / m["ours_step_s"]
     assert 0 < m["trained_tokens"] < m["tokens"] <= m["padded_tokens_trl"]
     assert len(m["ours_step_s_all"]) == len(m["trl_step_s_all"]) == m["repeats"] + 1

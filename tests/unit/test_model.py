@@ -227,13 +227,24 @@ def test_grouped_and_looped_experts_agree_with_their_gradients(autocast):
     assert not got[True][3][5:7].any() and not got[True][4][5:7].any()
 
 
-def test_inference_and_training_paths_agree(tiny_moe):
-    """No grad (the engine: one custom op the compiled decode keeps whole) against grad (the trainer)."""
+def test_inference_and_training_paths_agree(tiny_moe, monkeypatch):
+    """No grad (the engine: one custom op the compiled decode keeps whole) against grad (the trainer), whose
+    default is the grouped matmuls called directly, and against the per-expert loop."""
+    from realtime_rl.model import moe
+
     ids = _ids()
     with torch.no_grad():
         fast = tiny_moe(ids).logits_BTV
-    slow = tiny_moe(ids).logits_BTV.detach()
-    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    calls = []
+    grouped = moe._grouped_swiglu
+    monkeypatch.setattr(moe, "_grouped_swiglu", lambda *args: calls.append(1) or grouped(*args))
+    trained = tiny_moe(ids).logits_BTV.detach()
+    assert len(calls) == tiny_moe.num_moe_layers  # under grad, by default: grouped
+    monkeypatch.setattr(moe, "_HAS_GROUPED_MM", False)
+    looped = tiny_moe(ids).logits_BTV.detach()
+    assert len(calls) == tiny_moe.num_moe_layers  # the loop
+    for got in (trained, looped):
+        torch.testing.assert_close(fast, got, atol=1e-5, rtol=1e-5)
 
 
 def test_contiguous_slot_slice_reads_the_same_cache(tiny_policy):

@@ -21,7 +21,7 @@ BENCHMARKS = {
     "parity": "our Qwen3 / Qwen3-MoE logits against transformers', both load directions",
     "sandbox": "cold and warm sandboxed test runs: latency, throughput, isolation level, escapes contained",
     "engine": "decode tokens/s of our engine against transformers' generate (batch 1, 8, 32), capture cost, "
-              "swap pause, GRPO groups' prefix sharing",
+              "swap pause, GRPO groups' prefix sharing (device, dtype by env)",
     "mismatch": "engine logprobs against the trainer's full-sequence forward on a tiny MoE, with and without router replay",
     "delta": "weight-delta ratio vs the peers' encodings and the entropy bound on real AdamW steps, codec speed, swap pause",
     "learn": "held-out pass@1 of the default base model, then after the default RL recipe, and the RL wall time",
@@ -32,8 +32,8 @@ BENCHMARKS = {
 }
 RECIPE_BENCHMARKS = ("learn", "trainer", "async", "vs-trl")
 """The benchmarks that run the RL recipe (configs/train/default.toml); `--set KEY=VALUE` changes it there
-(trainer: its `rl` section, ours' side only; vs-trl: only how ours spreads over the machine,
-`vs_trl.MACHINE_FIELDS`)."""
+(trainer: its `rl` section, read by ours' step, and by TRL's for the device, dtype and KL weight; vs-trl:
+only how ours spreads over the machine, `vs_trl.MACHINE_FIELDS`)."""
 
 
 def environment() -> dict[str, Any]:

@@ -20,10 +20,17 @@ and with every prompt prefilled afresh (`grpo_recomputed_s`, as it did before it
 step of such a batch (4 x 8 rows, each group's slots holding copies of its prompt) reading each group's
 prompt once against every row reading its own copy: at a first turn (690 of 760 cached tokens shared,
 `shared_*`) and under a 2,000-token shared prompt (`shared_long_*`).
+
+`RTRL_BENCH_DEVICE` (default cpu) and `RTRL_BENCH_DTYPE` (float32 or bfloat16) place both models, as a
+rollout worker's `rollout.device` / `rollout.dtype` place its engine. Off CPU or in bf16 the bench runs the
+throughput comparison, the capture and sampling costs and the swap pause; the decode-step studies above are
+CPU fp32's (they time the CPU kernels' choices). A compiled decode that fails to build is recorded (`compile_error`)
+and the eager engine still measured.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import threading
@@ -70,14 +77,14 @@ def _ours(engine: Engine, prompts: list[list[int]], new_tokens: int, temperature
 
 
 def _hf(hf_model: Any, prompts: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf_model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         hf_model.generate(ids[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,
                                       "attention_mask": torch.ones_like(ids[:1])})
         t0 = time.perf_counter()
-        out = hf_model.generate(ids, **kwargs)
+        out = hf_model.generate(ids, **kwargs).cpu()  # the copy waits for a GPU's last kernel
     elapsed = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + new_tokens
     return len(prompts) * new_tokens / elapsed
@@ -203,6 +210,11 @@ def grpo_batch_s(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_s
 def run(quick: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    device = torch.device(os.environ.get("RTRL_BENCH_DEVICE", "cpu"))
+    dtype_name = os.environ.get("RTRL_BENCH_DTYPE", "float32")
+    if dtype_name not in ("float32", "bfloat16"):
+        raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype_name!r}")
+    dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     model = default_model()
     new_tokens = 16 if quick else 64
@@ -211,14 +223,22 @@ def run(quick: bool = False) -> dict[str, Any]:
     all_prompts = torch.randint(0, model.config.vocab_size, (max(BATCHES), prompt_len), generator=gen).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(tmp, model)
-        hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    model = model.to(device, dtype)
     metrics: dict[str, Any] = {"model_parameters": model.num_parameters(), "new_tokens": new_tokens,
                                "prompt_tokens": prompt_len, "torch_threads": torch.get_num_threads(),
-                               "hf_experts_implementation": hf_model.config._experts_implementation}
+                               "hf_experts_implementation": hf_model.config._experts_implementation,
+                               "device": str(device), "dtype": dtype_name}
     repeats = 2 if quick else 3
     max_seq_len = prompt_len + new_tokens + 1
     eager, _ = _engine(model, max(BATCHES), max_seq_len)
-    compiled, metrics["compile_s"] = _engine(model, max(BATCHES), max_seq_len, compile_decode=True)
+    try:
+        compiled, metrics["compile_s"] = _engine(model, max(BATCHES), max_seq_len, compile_decode=True)
+    except Exception as e:  # noqa: BLE001 - e.g. no inductor backend for this device: measure the rest
+        if device.type == "cpu":
+            raise
+        compiled, metrics["compile_error"] = eager, f"{type(e).__name__}: {e}"[:500]
+    metrics["compiled"] = compiled is not eager  # else tokens_per_s_* are the eager engine's
     for b in BATCHES:
         prompts = all_prompts[:b]
         # Alternate the three so that load on the machine hits all alike; report medians.
@@ -251,6 +271,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics["sampled_tokens_per_s"] = statistics.median(sampled)
     metrics["sampling_cost"] = 1.0 - statistics.median(sampled) / statistics.median(with_capture)
     metrics["swap_pause_ms"] = swap_pause_ms(model, batch=b, new_tokens=new_tokens)
+    if device.type != "cpu" or dtype != torch.float32:
+        return metrics
     metrics |= scattered_decode_ms(model, repeats=2 if quick else 5)
     metrics["scattered_window_speedup"] = metrics["scattered_gather_ms"] / metrics["scattered_window_ms"]
     ragged_free = tuple(s for s in range(32) if s % 2 or s >= 28)  # 14 rows in slots 0, 2, ..., 26

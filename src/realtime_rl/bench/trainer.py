@@ -222,6 +222,9 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "ours_trained_tokens_per_s": trained / ours_s,
         "trl_trained_tokens_per_s": trained / trl_s,
         "ours_forward_token_fraction": metrics.get("train/forward_token_fraction"),
+        "ours_micro_batches": metrics.get("train/micro_batches"),
+        "ours_micro_batch_tokens": ours.micro_batch_tokens,  # rl's, or the device's default
+        "ours_shared_run_min_tokens": ours.shared_run_min_tokens,
         "episodes": len(batch),
         "trained_tokens": trained,
         "tokens": tokens,

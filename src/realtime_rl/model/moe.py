@@ -21,11 +21,13 @@ from realtime_rl.config import ModelConfig
 
 # torch >= 2.10 has a grouped matmul (`F.grouped_mm`) with CPU and CUDA kernels and their backward: the
 # experts' SwiGLU runs as two of them, with no Python loop over experts and no read of the per-expert counts
-# (a device sync on a GPU). CUDA's kernels take bf16 only, so fp32 on a GPU keeps the per-expert loop.
+# (a device sync on a GPU). CUDA's kernels here take bf16 (fp32 on a GPU keeps the per-expert loop), CPU's
+# fp32, bf16 and fp16 (float64 keeps it too).
 # Inference runs them as one custom op whose output shape is declared here, so that torch.compile (the
 # engine's compiled decode) keeps it as one opaque kernel per layer: grouped_mm's own meta function rejects
 # fp32. Training calls the same two matmuls directly (autograd differentiates them; the op has no backward).
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+_GROUPED_DTYPES_CPU = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _grouped_swiglu(x_MC: torch.Tensor, gate_up_EFC: torch.Tensor, down_ECI: torch.Tensor,
@@ -83,7 +85,8 @@ class Experts(nn.Module):
     def forward(self, x_NC: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor,
                 grouped: bool | None = None) -> torch.Tensor:
         """Each token through its k experts, mixed by weights_NK. grouped: the grouped matmuls (default:
-        wherever their kernels take the compute dtype) or the per-expert loop, which gives the same sums."""
+        wherever their kernels take the compute dtype) or the per-expert loop, which gives the same sums (tests
+        compare the two)."""
         # Group the (token, slot) pairs by expert: one sort, then one matmul per expert (or one grouped matmul).
         flat_expert_M = indices_NK.reshape(-1)
         order_M = torch.argsort(flat_expert_M, stable=True)
@@ -93,10 +96,10 @@ class Experts(nn.Module):
         # A count of static shape (bincount's depends on the data, which torch.compile cannot trace).
         counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=x_NC.device).scatter_add_(
             0, flat_expert_M, torch.ones_like(flat_expert_M))
-        device = x_NC.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_NC.dtype
+        device_type = x_NC.device.type
+        dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_NC.dtype)
         if grouped is None:
-            grouped = _HAS_GROUPED_MM and (device == "cpu" or dtype == torch.bfloat16)
+            grouped = _HAS_GROUPED_MM and dtype in (_GROUPED_DTYPES_CPU if device_type == "cpu" else (torch.bfloat16,))
         if grouped:
             # Autocast does not cover grouped_mm: cast to its dtype here (the casts are differentiable).
             args = (x_MC.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype),

@@ -9,12 +9,13 @@ A step, top to bottom: advantages per group (episodes sharing a group_id); every
 episode becomes its own training sequence carrying the episode's advantage (self-summarised episodes
 train each context window separately); segments are packed into micro-batches of at most
 `micro_batch_tokens` computed positions (by device when unset); each micro-batch runs one forward that
-replays the routing the engine recorded (so training sees the experts inference used), the loss of losses.py on the generated
-tokens, and a backward; then one clipped AdamW step. The leading tokens a micro-batch's rows share (the
-system prompt and tool schemas every reply of the live loop starts with, with the same recorded routing)
-run once, with grad, and every row attends to them (model/shared_prefix.py); so does the rest of the
-prompt that a run of adjacent rows shares (a GRPO group's task): the gradient is that of the separate
-rows. The LM head and softmax run only where a token is trained. The proximal policy is the current
+replays the routing the engine recorded (so training sees the experts inference used), the loss of
+losses.py on the generated tokens, and a backward; then one clipped AdamW step. The leading tokens a
+micro-batch's rows share (the system prompt and tool schemas every reply of the live loop starts with,
+with the same recorded routing) run once, with grad, and every row attends to them
+(model/shared_prefix.py); so, on CPU by default (`shared_run_min_tokens`), does the rest of the prompt
+that a run of adjacent rows shares (a GRPO group's task): the gradient is that of the separate rows.
+The LM head and softmax run only where a token is trained. The proximal policy is the current
 weights: with one minibatch and one epoch it equals the policy being optimised at the forward, so no
 extra pass is needed; otherwise a no-grad pass computes it first.
 
@@ -63,13 +64,15 @@ CONSUMED_VERSIONS = 16
 let `step` refuse an episode given again a few steps later."""
 
 
+# rl.micro_batch_tokens and rl.shared_run_min_tokens when unset, by the trainer's device. One RL step of the
+# recipe's shape (32 episodes, `rtrl bench trainer`) on an H200 in bf16: 0.89 s with the CPU's values (3
+# micro-batches, 22 forward calls and 22 more for the reference), 0.099 s with the GPU's (one micro-batch, 2 + 2
+# calls): the default model's step there is bound by the calls' kernel launches, not by the positions the shared
+# runs save; on 2 CPU cores the GPU's values made the same step ~10-20% slower (BENCHMARKS.md, trainer). Tuned
+# on the 2.8M-parameter default model: a large model on a GPU wants fewer micro-batch tokens (memory) and
+# benefits from shared runs (its positions cost compute), so set both there.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "gpu": 65536}
 SHARED_RUN_MIN_TOKENS = {"cpu": 16, "gpu": sys.maxsize}
-"""rl.micro_batch_tokens and rl.shared_run_min_tokens when unset. One RL step of the recipe's shape (32
-episodes, `rtrl bench trainer`) on an H200 in bf16: 0.89 s with the CPU's values (3 micro-batches, 11 forward
-calls and 11 more for the reference), 0.099 s with the GPU's (one micro-batch, 2 + 2 calls): a small model's
-step there is bound by the calls' kernel launches, not by the positions the shared runs save; on 2 CPU cores
-the GPU's values made the same step ~10-20% slower (BENCHMARKS.md, trainer)."""
 
 
 def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
@@ -199,8 +202,10 @@ class RLTrainer:
         self.loss_config = LossConfig(config.clip_low, config.clip_high, config.tis_cap, config.icepop_low,
                                       config.icepop_high, config.kl_coef, config.entropy_coef)
         kind = "cpu" if self.device.type == "cpu" else "gpu"
-        self.micro_batch_tokens = config.micro_batch_tokens or MICRO_BATCH_TOKENS[kind]
-        self.shared_run_min_tokens = config.shared_run_min_tokens or SHARED_RUN_MIN_TOKENS[kind]
+        self.micro_batch_tokens = (MICRO_BATCH_TOKENS[kind] if config.micro_batch_tokens is None
+                                   else config.micro_batch_tokens)
+        self.shared_run_min_tokens = (SHARED_RUN_MIN_TOKENS[kind] if config.shared_run_min_tokens is None
+                                      else config.shared_run_min_tokens)
         self._route_dtype = routing_dtype(max(1, model.config.num_experts))
         self._replays = bool(config.router_replay and model.num_moe_layers)
 
@@ -319,7 +324,7 @@ class RLTrainer:
         order = list(range(len(items)))
         totals: dict[str, float] = defaultdict(float)
         mismatch = {"tokens": 0, "k3": 0.0, "max": 0.0}  # over tokens of the current version, first pass only
-        num_updates = 0
+        num_updates, micro_batches = 0, 0
         positions = {"computed": 0, "padded": 0}  # input positions through the model: run, and in padded rows
         for epoch in range(cfg.ppo_epochs):
             for mb in range(cfg.minibatches):
@@ -331,6 +336,7 @@ class RLTrainer:
                 for micro in _micro_batches([(items[i][0], items[i][1]) for i in chosen], self.micro_batch_tokens,
                                             self._replays):
                     sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens, prox)
+                    micro_batches += 1
                     positions["computed"] += computed
                     positions["padded"] += padded
                     for k, v in sums.items():
@@ -349,6 +355,7 @@ class RLTrainer:
         out = {f"train/{k}": v / num_updates for k, v in totals.items()}
         out["train/lr"] = lr
         out["train/trained_sequences"] = float(len(items))
+        out["train/micro_batches"] = float(micro_batches)
         if mismatch["tokens"]:
             # Engine vs trainer on tokens the current weights generated (verl/slime rollout-correction metrics):
             # with R3 in fp32 this is numerical noise; staleness shows in offpolicy_k3 instead.
