@@ -103,11 +103,16 @@ def test_bench_engine_in_bf16_measures_both_engines_and_skips_the_fp32_studies(t
 
 
 @pytest.mark.slow
-def test_bench_trainer_quick_times_both_steps_on_one_batch(tmp_path):
+def test_bench_trainer_quick_times_both_steps_on_one_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("RTRL_BENCH_PROFILE", "1")
     result = bench_quick("trainer", tmp_path, "--set", "rl.micro_batch_tokens=100000")
     m = result["metrics"]
     assert result["overrides"] == ["rl.micro_batch_tokens=100000"]
     assert m["ours_micro_batch_tokens"] == 100000 and m["ours_micro_batches"] == 1  # the override took
+    for side in ("ours", "trl"):  # one more step of each, profiled (on CPU: no kernel launches to count)
+        profile = m[f"{side}_profile"]
+        assert profile["aten_ops"] > 100 and profile["kernel_launches"] == 0 and profile["value_reads"] > 0
+        assert len(profile["top_self_ms"]) == 15 and all(ms >= 0 for _, _, ms in profile["top_self_ms"])
     assert m["ours_step_s"] > 0 and m["trl_step_s"] > 0 and m["speedup_vs_trl"] == m["trl_step_s"] / m["ours_step_s"]
     assert 0 < m["trained_tokens"] < m["tokens"] <= m["padded_tokens_trl"]
     assert len(m["ours_step_s_all"]) == len(m["trl_step_s_all"]) == m["repeats"] + 1

@@ -22,6 +22,8 @@ recipe's `rl.device` (`RTRL_BENCH_DEVICE` wins; default cpu), in fp32 or, with `
 `RTRL_BENCH_DTYPE`) bfloat16, under bf16 autocast over fp32 weights (TRL's bf16 mixed precision). `--set
 rl.KEY=VALUE` changes our side's recipe (micro-batch size, shared runs). The base: `RTRL_BENCH_BASE`, else the
 default base model (built once and cached); `--quick`: a seconds-sized base and a small batch.
+`RTRL_BENCH_PROFILE=1`: one more step of each under torch.profiler (`ours_profile`, `trl_profile`: aten ops,
+kernel launches, device syncs, reads of a device value, the ops with the most self time).
 """
 
 from __future__ import annotations
@@ -191,6 +193,35 @@ def _timed(fn: Any, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _profile(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
+    """One more step under torch.profiler: aten ops (nested calls counted), kernel launches, waits on the
+    device, reads of a device value, and the ops that took the most self time (device time on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _timed(fn, device)
+    events = prof.key_averages()
+
+    def self_ms(e: Any) -> float:
+        if device.type == "cuda":
+            return getattr(e, "self_device_time_total", 0.0) / 1e3
+        return e.self_cpu_time_total / 1e3
+
+    return {
+        "aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
+        "kernel_launches": sum(e.count for e in events if e.key in _LAUNCHES),
+        "device_syncs": sum(e.count for e in events if e.key in _SYNCS),
+        "value_reads": sum(e.count for e in events if e.key == "aten::_local_scalar_dense"),
+        "top_self_ms": [[e.key, e.count, round(self_ms(e), 3)]
+                        for e in sorted(events, key=self_ms, reverse=True)[:top]],
+    }
+
+
 def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-trainer-") as tmp:
         base, recipe = base_and_recipe(quick, Path(tmp), overrides)  # the step reads only the recipe's rl section
@@ -211,6 +242,11 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
             episodes = fresh(batch, r, ours.version)
             times["ours"].append(_timed(lambda: metrics.update(ours.step(episodes)), device))
             times["trl"].append(_timed(lambda: trl.step(episodes, prompt_len), device))
+        profiles = {}
+        if os.environ.get("RTRL_BENCH_PROFILE"):
+            episodes = fresh(batch, repeats + 1, ours.version)
+            profiles = {"ours_profile": _profile(lambda: ours.step(episodes), device),
+                        "trl_profile": _profile(lambda: trl.step(episodes, prompt_len), device)}
     ours_s, trl_s = (statistics.median(times[k][1:]) for k in ("ours", "trl"))
     trained = sum(e.num_generated for e in batch)
     tokens = sum(e.num_tokens for e in batch)
@@ -234,4 +270,5 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "trl_step_s_all": times["trl"],
         "device": str(device),
         "dtype": dtype_name,
+        **profiles,
     }
