@@ -10,7 +10,8 @@
 # GPU_TESTS (default tests/gpu); MISMATCH and TRAINER (dtypes, default "bfloat16 float32"; " " for none);
 # ENGINE (dtypes for `rtrl bench engine` on CUDA, ours eager and compiled against transformers' generate; default
 # none); TRAINER_SET (bench trainer's --set arguments: each dtype runs again with them, trainer_cuda_<dtype>_set.json;
-# e.g. "--set rl.micro_batch_tokens=8192 --set rl.shared_run_min_tokens=16", the CPU's sizes);
+# e.g. "--set rl.micro_batch_tokens=8192 --set rl.shared_run_min_tokens=16", the CPU's sizes); PROFILE=0 skips
+# the profiled step bench trainer adds to its first run of each dtype (ours_profile, trl_profile in its JSON);
 # BUDGET_S (seconds the whole run may take, default 540: the async bench gets what is left, and runs only when
 # that is at least ASYNC_MIN_S, default 300); STEPS, EVAL (the async bench's steps and eval tasks); ASYNC_SET
 # (its --set overrides; default: the trainer on the GPU in bf16, engines on 12 CPU workers).
@@ -78,8 +79,8 @@ run() {
     fi
     for dt in $trainer; do
       log "trainer cuda $dt"
-      RTRL_BENCH_BASE=.device/base RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 150 \
-        $rtrl bench trainer --json "$OUT/trainer_cuda_$dt.json" 2>&1 | tee -a "$OUT/checks.log" | grep -A6 '"metrics"'
+      RTRL_BENCH_BASE=.device/base RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt RTRL_BENCH_PROFILE=${PROFILE:-1} \
+        timeout 150 $rtrl bench trainer --json "$OUT/trainer_cuda_$dt.json" 2>&1 | tee -a "$OUT/checks.log" | grep -A6 '"metrics"'
       [ -n "${TRAINER_SET:-}" ] || continue
       log "trainer cuda $dt $TRAINER_SET"
       RTRL_BENCH_BASE=.device/base RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=$dt timeout 150 \
