@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from realtime_rl.config import RLConfig
 from realtime_rl.engine import Engine, SamplingParams
@@ -206,6 +207,41 @@ def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, sy
     torch.testing.assert_close(lp_flat, lp_separate, atol=1e-5, rtol=0)
     for g, h in zip(grads_flat, grads_separate):
         torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-3)
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Counts reads of a tensor's value into Python (each a wait for the device on a GPU), but those of `host`
+    tensors (AdamW's step counters, which stay on the host whatever the device)."""
+
+    READS = {"item", "tolist", "__int__", "__float__", "__bool__", "__index__"}
+
+    def __init__(self, host: set[int]) -> None:
+        super().__init__()
+        self.host, self.count = host, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS and not (args and id(args[0]) in self.host):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_steps_reads_of_device_values_do_not_grow_with_depth(tmp_path):
+    """On a GPU a small model's step is bound by launches and by the host waiting for the device: a step's reads
+    of device values must not grow with its layers (they did: the replayed routing's range checked in every MoE
+    layer, the experts' counts read in every one)."""
+    counts = {}
+    for layers in (2, 4):
+        model = Qwen3ForCausalLM(tiny_config(moe=True, num_hidden_layers=layers))
+        model.reset_parameters(seed=0)
+        engine = Engine(Qwen3ForCausalLM(model.config), max_batch=32, max_seq_len=16)
+        trainer = RLTrainer(model, None, RLConfig(group_size=4, groups_per_step=4), tmp_path / str(layers))
+        engine.update_weights(trainer.weights(), 0)
+        trainer.step(_episodes(engine, 0, group_size=4))  # AdamW's state exists from here
+        episodes = _episodes(engine, 1, group_size=4)
+        with _DeviceReads({id(state["step"]) for state in trainer.optimizer.state.values()}) as reads:
+            trainer.step(episodes)
+        counts[layers] = reads.count
+    assert counts[2] == counts[4] > 0, counts
 
 
 def test_micro_batch_size_and_shared_runs_default_by_device(tmp_path):
