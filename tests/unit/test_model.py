@@ -362,3 +362,27 @@ def test_sample_rows_never_draws_a_zero_probability_token(monkeypatch, u, token)
     logprobs = torch.tensor([[0.0, 0.3, 0.0, 0.0, 0.7, 0.0]]).log()
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(u))
     assert sample_rows(logprobs, [False], [None]) == [token]
+
+
+def test_shared_prefix_positions_follow_from_the_prefix_and_chosen_ones_are_checked(tiny_moe):
+    """Rows continuing a shared prefix start where it ends: left out, their positions are derived from it (no
+    read of a device value); given, they must start there."""
+    from realtime_rl.model.shared_prefix import SharedPrefix
+
+    ids = _ids(3, 12)
+    ids[1:, :5] = ids[0, :5]  # one prefix, three continuations
+    with torch.no_grad():
+        full = tiny_moe.hidden_states(ids)[0]
+        prefix = SharedPrefix()
+        tiny_moe.hidden_states(ids[:1, :5], shared_prefix=prefix)
+        derived = tiny_moe.hidden_states(ids[:, 5:], shared_prefix=prefix)[0]
+        chosen = tiny_moe.hidden_states(ids[:, 5:], torch.arange(5, 12).expand(3, 7), shared_prefix=prefix)[0]
+        with pytest.raises(ValueError, match="must start at position 5"):
+            tiny_moe.hidden_states(ids[:, 5:], torch.arange(4, 11).expand(3, 7), shared_prefix=prefix)
+        task = prefix.extended()
+        with pytest.raises(ValueError, match="must start at position 5"):
+            tiny_moe.hidden_states(ids[:1, 6:9], torch.arange(6, 9)[None], shared_prefix=task)
+        with pytest.raises(ValueError, match="recorded from one row"):
+            tiny_moe.hidden_states(ids[:, 5:8], shared_prefix=task)
+    assert torch.equal(derived, chosen)
+    torch.testing.assert_close(derived, full[:, 5:], atol=1e-5, rtol=1e-5)

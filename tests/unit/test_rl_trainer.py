@@ -244,6 +244,21 @@ def test_a_steps_reads_of_device_values_do_not_grow_with_depth(tmp_path):
     assert counts[2] == counts[4] > 0, counts
 
 
+def test_a_recorded_routing_naming_a_missing_expert_is_refused_on_the_host(tmp_path):
+    """The trainer checks the replayed routing before it reaches the device (where an index out of range ends a
+    CUDA process in a device-side assert), and the forward then reads nothing back to check it again."""
+    model = _model()
+    engine = Engine(_model(), max_batch=32, max_seq_len=16)
+    trainer = RLTrainer(model, None, RLConfig(group_size=4), tmp_path)
+    engine.update_weights(trainer.weights(), 0)
+    episodes = _episodes(engine, 0, group_size=4)
+    episodes[3].segments[0].routing[2, 0, 1] = model.config.num_experts
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="outside 0..7"):
+        trainer.step(episodes)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and trainer.version == 0
+
+
 def test_micro_batch_size_and_shared_runs_default_by_device(tmp_path):
     trainer = RLTrainer(_model(), None, RLConfig(), tmp_path / "cpu")
     assert (trainer.micro_batch_tokens, trainer.shared_run_min_tokens) == (8192, 16)

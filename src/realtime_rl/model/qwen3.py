@@ -135,17 +135,22 @@ class Qwen3ForCausalLM(nn.Module):
         replay_routing: torch.Tensor | None = None,
         cache_length: int | None = None,
         shared_prefix: SharedPrefix | None = None,
+        check_replay: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final (normed) hidden state of every position, and the routing: `forward` without the LM head.
 
         The trainer applies the head only where a token is trained. shared_prefix: the first call over one
-        row records the keys/values of a prefix; later calls over many rows continue it (see shared_prefix.py).
+        row records the keys/values of a prefix; later calls over many rows continue it (see shared_prefix.py);
+        positions, unless given, follow from it. check_replay=False: the caller checked the replayed routing's
+        expert indices on the host (the check here reads a device value, a wait for a GPU).
         """
         B, T = input_ids_BT.shape
+        chosen_positions = positions_BT
         if positions_BT is None:
-            if kv_cache is not None or (shared_prefix is not None and shared_prefix.length is not None):
+            if kv_cache is not None:
                 raise ValueError("cached forward needs explicit positions")
-            positions_BT = torch.arange(T, device=input_ids_BT.device).expand(B, T)
+            start = 0 if shared_prefix is None else shared_prefix.start
+            positions_BT = torch.arange(start, start + T, device=input_ids_BT.device).expand(B, T)
         if replay_routing is not None:
             if replay_routing.shape[:3] != (B, T, self.num_moe_layers):
                 raise ValueError(
@@ -155,7 +160,7 @@ class Qwen3ForCausalLM(nn.Module):
             # Checked once for all layers (one read back from the device): an index out of range would end
             # a CUDA process in a device-side assert instead of an error.
             E = self.config.num_experts
-            if replay_routing.numel():
+            if check_replay and replay_routing.numel():
                 low, high = torch.stack(torch.aminmax(replay_routing)).tolist()
                 if low < 0 or high >= E:
                     raise ValueError(f"replayed routing names an expert outside 0..{E - 1}")
@@ -166,7 +171,7 @@ class Qwen3ForCausalLM(nn.Module):
             assert cache_slots is not None, "cached forward needs cache_slots"
             cache_step = kv_cache.begin(cache_slots, positions_BT, cache_length)
         elif shared_prefix is not None:
-            cache_step = shared_prefix.begin(positions_BT)
+            cache_step = shared_prefix.begin(B, T, chosen_positions)
         captured: list[torch.Tensor] = []
         moe_i = 0
         for layer in self.model.layers:

@@ -2,11 +2,11 @@
 
     prefix = SharedPrefix()
     model.hidden_states(ids[:1, :P], shared_prefix=prefix)                    # one row: records each layer's K/V
-    h, _ = model.hidden_states(ids[:, P:], positions, shared_prefix=prefix)   # every row attends to them
+    h, _ = model.hidden_states(ids[:, P:], shared_prefix=prefix)              # every row attends to them
 
     task = prefix.extended()                                                  # a longer prefix some rows share
-    model.hidden_states(ids[:1, P:Q], positions, shared_prefix=task)          # one row continues the first ...
-    h, _ = model.hidden_states(ids[:8, Q:], positions, shared_prefix=task)    # ... and those rows continue it
+    model.hidden_states(ids[:1, P:Q], shared_prefix=task)                     # one row continues the first ...
+    h, _ = model.hidden_states(ids[:8, Q:], shared_prefix=task)               # ... and those rows continue it
 
 In the second call each row's queries attend to the prefix's keys and values (read as an expanded view,
 never copied per row before attention) and causally to their own. Autograd sums the rows' gradients
@@ -59,21 +59,28 @@ class SharedPrefix:
             raise ValueError("only a recorded prefix can be extended")
         return SharedPrefix(parent=self)
 
-    def begin(self, positions_BT: torch.Tensor) -> _Record | _Extend:
-        """The step of one forward: record the prefix (first call), or continue it in every row."""
-        B, T = positions_BT.shape
+    @property
+    def start(self) -> int:
+        """The position the next forward starts at: the prefix's end once recorded, else where it begins."""
+        if self.length is not None:
+            return self.length
+        return 0 if self.parent is None else self.parent.length
+
+    def begin(self, B: int, T: int, positions_BT: torch.Tensor | None = None) -> _Record | _Extend:
+        """The step of one forward of B rows x T tokens: record the prefix (first call), or continue it in every
+        row. positions_BT, when the caller chose them, must start at `start` (checked with one read of them);
+        the model derives them from `start` otherwise."""
+        start = self.start
+        if positions_BT is not None:
+            first, last = torch.stack(torch.aminmax(positions_BT[:, 0])).tolist()
+            if first != start or last != start:
+                what = "a prefix continuing" if self.length is None else "rows continuing a shared prefix of"
+                raise ValueError(f"{what} {start} tokens must start at position {start}")
         if self.length is None:
             if B != 1:
                 raise ValueError(f"a shared prefix is recorded from one row, got {B}")
-            start = 0 if self.parent is None else self.parent.length
-            if int(positions_BT[0, 0]) != start:
-                raise ValueError(f"a prefix continuing one of {start} tokens must start at position {start}")
             self.length = start + T
             return _Record(self)
-        P = self.length
-        first, last = torch.stack(torch.aminmax(positions_BT[:, 0])).tolist()  # one read back from the device
-        if first != P or last != P:
-            raise ValueError(f"rows continuing a shared prefix of {P} tokens must start at position {P}")
         return _Extend(self, B)
 
 

@@ -148,8 +148,9 @@ class _MicroBatch:
     """The forwards that continue the prefix, as (rows, their shared inputs, their longest row's inputs): one per
     run of adjacent rows sharing more than `prefix` leading inputs (a GRPO group's prompt, whose rest is then
     computed once), and one for every other row, continuing `prefix` alone."""
-    where_BT: torch.Tensor
-    """The input positions (from `prefix` on) whose next token is trained."""
+    trained_at: list[torch.Tensor]
+    """Per call, where its output holds the positions whose next token is trained: flat indices over its rows x
+    positions, row by row (found on the host, so the forward reads nothing back from the device)."""
     targets: torch.Tensor
     behaviour: torch.Tensor
     advantages: torch.Tensor
@@ -377,6 +378,10 @@ class RLTrainer:
                                  "(rl.router_replay = false trains on the trainer's own routing)")
             L, k = micro[0][0].routing.shape[1:]
             routing = torch.zeros((B, T, L, k), dtype=self._route_dtype)
+            E = self.model.config.num_experts
+            if any(seg.routing.size and (seg.routing.min() < 0 or seg.routing.max() >= E) for seg, _ in micro):
+                # checked here, on the host, so that the forward need not read the record back from the device
+                raise ValueError(f"a segment's recorded routing names an expert outside 0..{E - 1}")
         targets, behaviour, advantages, fresh, temperature, rows = [], [], [], [], [], []
         for b, (seg, a) in enumerate(micro):
             n = len(seg.token_ids) - 1
@@ -412,9 +417,9 @@ class RLTrainer:
         calls = [(rows, q, max(len(micro[b][0].token_ids) - 1 for b in rows)) for rows, q in calls]
         arrays = (targets, behaviour, advantages, fresh, temperature)
         dev = self.device
-        return _MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, calls,
-                           where[:, prefix:].to(dev), *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays),
-                           rows)
+        trained_at = [torch.nonzero(where[rows, q:width].flatten())[:, 0].to(dev) for rows, q, width in calls]
+        return _MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, calls, trained_at,
+                           *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays), rows)
 
     def _logprobs(self, batch: _MicroBatch, model: Qwen3ForCausalLM | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,9 +433,9 @@ class RLTrainer:
         ids, routing, P = batch.ids_BT, batch.routing_BTLK, batch.prefix
 
         def forward(rows: list[int], start: int, end: int, prefix: SharedPrefix | None) -> torch.Tensor:
+            # Positions follow from the prefix (start..end-1); the routing was checked on the host (`_batch`).
             at = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else rows
-            positions = torch.arange(start, end, device=ids.device).expand(len(rows), -1)
-            return model.hidden_states(ids[at, start:end], positions, shared_prefix=prefix,
+            return model.hidden_states(ids[at, start:end], shared_prefix=prefix, check_replay=False,
                                        replay_routing=None if routing is None else routing[at, start:end])[0]
 
         shared = None
@@ -439,14 +444,13 @@ class RLTrainer:
             if P:
                 shared = SharedPrefix()
                 forward([0], 0, P, shared)
-            for rows, q, width in batch.calls:
+            for (rows, q, width), at in zip(batch.calls, batch.trained_at):
                 prefix = shared
                 if q > P:
                     prefix = SharedPrefix() if shared is None else shared.extended()
                     forward(rows[:1], P, q, prefix)
-                hidden_BTC = forward(rows, q, width, prefix)
-                where_BT = batch.where_BT[rows, q - P:width - P]
-                for b, states in zip(rows, hidden_BTC[where_BT].split([batch.rows[b] for b in rows])):
+                hidden_NC = forward(rows, q, width, prefix).flatten(0, 1)[at]
+                for b, states in zip(rows, hidden_NC.split([batch.rows[b] for b in rows])):
                     trained[b] = states
             logits_NV = model.lm_head(torch.cat(trained))
         logits_NV = logits_NV.float() / batch.temperature[:, None]
