@@ -60,6 +60,14 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def device_and_dtype(device: str = "cpu", dtype: str = "float32") -> tuple[torch.device, str]:
+    """Where a bench runs: `RTRL_BENCH_DEVICE` and `RTRL_BENCH_DTYPE` (float32 or bfloat16), else the defaults."""
+    dtype = os.environ.get("RTRL_BENCH_DTYPE", dtype)
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype!r}")
+    return torch.device(os.environ.get("RTRL_BENCH_DEVICE", device)), dtype
+
+
 def run_benchmark(name: str, quick: bool = False, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run one benchmark. `overrides` (`--set KEY=VALUE`) change the RL recipe of the benchmarks that run
     it and are recorded in the result; the others refuse them."""

@@ -30,7 +30,6 @@ and the eager engine still measured.
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import threading
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from realtime_rl.bench import device_and_dtype
 from realtime_rl.config import ModelConfig
 from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.engine.slots import SlotTable, decode_slots
@@ -210,10 +210,7 @@ def grpo_batch_s(model: Qwen3ForCausalLM, repeats: int, groups: int = 4, group_s
 def run(quick: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    device = torch.device(os.environ.get("RTRL_BENCH_DEVICE", "cpu"))
-    dtype_name = os.environ.get("RTRL_BENCH_DTYPE", "float32")
-    if dtype_name not in ("float32", "bfloat16"):
-        raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype_name!r}")
+    device, dtype_name = device_and_dtype()
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     model = default_model()

@@ -14,12 +14,12 @@ Runs on CPU in fp32 by default; `RTRL_BENCH_DEVICE=cuda RTRL_BENCH_DTYPE=bfloat1
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from realtime_rl.bench import device_and_dtype
 from realtime_rl.config import ModelConfig
 from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM, sequence_logprobs
@@ -41,8 +41,8 @@ def _disagreement(used: torch.Tensor, engine: np.ndarray, prompt_len: int) -> fl
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    device = torch.device(os.environ.get("RTRL_BENCH_DEVICE", "cpu"))
-    dtype = getattr(torch, os.environ.get("RTRL_BENCH_DTYPE", "float32"))
+    device, dtype_name = device_and_dtype()
+    dtype = getattr(torch, dtype_name)
     config = ModelConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
                          num_experts_per_tok=4, moe_intermediate_size=64, tie_word_embeddings=False,

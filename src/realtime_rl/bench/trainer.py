@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from realtime_rl.bench import device_and_dtype
 from realtime_rl.bench.learn import base_and_recipe
 from realtime_rl.model import load_checkpoint, sequence_logprobs
 from realtime_rl.train import RLTrainer
@@ -225,10 +226,7 @@ def _profile(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
 def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-trainer-") as tmp:
         base, recipe = base_and_recipe(quick, Path(tmp), overrides)  # the step reads only the recipe's rl section
-        device = torch.device(os.environ.get("RTRL_BENCH_DEVICE", recipe.rl.device))
-        dtype_name = os.environ.get("RTRL_BENCH_DTYPE", recipe.rl.dtype)
-        if dtype_name not in ("float32", "bfloat16"):
-            raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype_name!r}")
+        device, dtype_name = device_and_dtype(recipe.rl.device, recipe.rl.dtype)
         rl = recipe.rl.model_copy(update={"device": str(device), "dtype": dtype_name})
         shape, repeats = (QUICK, 1) if quick else (FULL, 5)
         batch = grpo_batch(base, shape)

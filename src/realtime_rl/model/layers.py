@@ -53,6 +53,13 @@ class RotaryEmbedding(nn.Module):
         return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's matmuls run in: autocast's on x's device where autocast is on, else x's own. For the
+    kernels autocast does not cover (grouped matmuls, and attention taking inputs of mixed dtypes)."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from realtime_rl.config import ModelConfig
+from realtime_rl.model.layers import compute_dtype
 
 # torch >= 2.10 has a grouped matmul (`F.grouped_mm`) with CPU and CUDA kernels and their backward: the
 # experts' SwiGLU runs as two of them, with no Python loop over experts and no read of the per-expert counts
@@ -96,10 +97,9 @@ class Experts(nn.Module):
         # A count of static shape (bincount's depends on the data, which torch.compile cannot trace).
         counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=x_NC.device).scatter_add_(
             0, flat_expert_M, torch.ones_like(flat_expert_M))
-        device_type = x_NC.device.type
-        dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_NC.dtype)
+        dtype = compute_dtype(x_NC)
         if grouped is None:
-            grouped = _HAS_GROUPED_MM and dtype in (_GROUPED_DTYPES_CPU if device_type == "cpu" else (torch.bfloat16,))
+            grouped = _HAS_GROUPED_MM and dtype in (_GROUPED_DTYPES_CPU if x_NC.is_cpu else (torch.bfloat16,))
         if grouped:
             # Autocast does not cover grouped_mm: cast to its dtype here (the casts are differentiable).
             args = (x_MC.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype),

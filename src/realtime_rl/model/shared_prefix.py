@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from realtime_rl.model.kv_cache import _flash_cpu, merge_attention
+from realtime_rl.model.layers import compute_dtype
 
 _flash_cpu_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -118,10 +119,9 @@ def prefix_attention(q_BHTD: torch.Tensor, k_BKPD: torch.Tensor, v_BKPD: torch.T
     query t sees prefix keys 0..P-1 and own keys 0..t. Grouped-query: H query heads over K key/value heads.
     Runs in autocast's dtype where autocast is on (the kernels below take one dtype; q and k leave their
     RMSNorm in fp32 while v leaves its projection in bf16), else in q's."""
-    device = q_BHTD.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q_BHTD.dtype
+    dtype = compute_dtype(q_BHTD)
     q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD = (t.to(dtype) for t in (q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD))
-    if (_flash_cpu is not None and _flash_cpu_backward is not None and device == "cpu"
+    if (_flash_cpu is not None and _flash_cpu_backward is not None and q_BHTD.is_cpu
             and dtype in (torch.float32, torch.bfloat16)):
         return _PrefixThenCausal.apply(q_BHTD, k_BKPD, v_BKPD, k_BKTD, v_BKTD)
     G = q_BHTD.shape[1] // k_BKPD.shape[1]
