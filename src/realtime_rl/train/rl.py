@@ -68,7 +68,7 @@ let `step` refuse an episode given again a few steps later."""
 # recipe's shape (32 episodes, `rtrl bench trainer`) on an H200 in bf16: 0.89 s with the CPU's values (3
 # micro-batches, 22 forward calls and 22 more for the reference), 0.099 s with the GPU's (one micro-batch, 2 + 2
 # calls): the default model's step there is bound by the calls' kernel launches, not by the positions the shared
-# runs save; on 2 CPU cores the GPU's values made the same step ~10-20% slower (BENCHMARKS.md, trainer). Tuned
+# runs save; on 2 CPU cores the GPU's values made the same step 1.7x slower (BENCHMARKS.md, trainer). Tuned
 # on the 2.8M-parameter default model: a large model on a GPU wants fewer micro-batch tokens (memory) and
 # benefits from shared runs (its positions cost compute), so set both there.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "gpu": 65536}
