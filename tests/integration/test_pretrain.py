@@ -128,6 +128,10 @@ def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
     assert report["tasks"] == 4 and set(report["by_difficulty"]) == {1, 2}
     assert sum(report["ended_by"].values()) == 4 and 1 <= report["mean_turns"] <= 2
     assert report["failed_submits"] <= min(report["ended_by"].get("submit", 0), 4 - report["passed"])
+    repairs = report["repairs"]
+    assert repairs["passed_after_it"] <= repairs["first_test_run_failed"] <= 4
+    assert repairs["first_test_run_failed"] == sum(bool(t["test_results"]) and not t["test_results"][0]
+                                                   for t in report["per_task"])
     assert 0.0 <= report["ci95"][0] <= report["pass_at_1"] <= report["ci95"][1] <= 1.0
     assert all(t["task_id"].startswith("syn-heldout-") for t in report["per_task"])
     # Each task has its own seed, the same every time: a checkpoint evaluated again plays the same episodes,

@@ -45,14 +45,16 @@ def test_scripted_expert_solves_a_real_task(tokenizer, task, sandbox):
     solution = task.reference_solution()["two_fer.py"]
     policy = ScriptedPolicy(tokenizer, [
         tc("read_file", path="two_fer.py"),
+        tc("run_tests"),  # the stub: the tests fail
         "Writing the solution.\n" + tc("write_file", path="two_fer.py", content=solution),
         tc("run_tests"),
         tc("submit"),
     ])
     result = run_episode(policy, tokenizer, task, sandbox, AgentConfig())
     ep = result.episode
-    assert ep.ended_by == "submit" and ep.num_turns == 4 and ep.num_tool_calls == 4
+    assert ep.ended_by == "submit" and ep.num_turns == 5 and ep.num_tool_calls == 5
     assert ep.malformed_tool_calls == 0 and ep.tool_errors == 0
+    assert ep.metadata["test_runs"] == 2 and ep.metadata["test_results"] == [False, True]
     assert grade(task, result.workspace.snapshot(), sandbox).passed
     text = tokenizer.decode(ep.segments[0].token_ids.tolist())
     assert "all tests passed" in text  # the run_tests observation the policy saw

@@ -115,7 +115,8 @@ def paired_lift(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 def behaviour(report: dict[str, Any]) -> dict[str, Any]:
     """How the episodes of a heldout_pass_at_1 report ended, beyond pass/fail."""
     return {"failed_submits": report["failed_submits"], "out_of_turns": report["ended_by"].get("max_turns", 0),
-            "malformed_tool_calls": report["malformed_tool_calls"], "mean_turns": report["mean_turns"]}
+            "malformed_tool_calls": report["malformed_tool_calls"], "mean_turns": report["mean_turns"],
+            "repairs": report["repairs"]}
 
 
 def base_and_recipe(quick: bool, tmp: Path, overrides: Sequence[str] = ()) -> tuple[Path, TrainConfig]:

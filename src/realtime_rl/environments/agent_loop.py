@@ -236,6 +236,6 @@ def run_episode(
         tool_errors=tool_errors,
         summary_lengths=summary_lengths,
         question=question,
-        metadata={"test_runs": tools.test_runs, "first_reply": first_reply},
+        metadata={"test_runs": tools.test_runs, "test_results": tools.test_results, "first_reply": first_reply},
     )
     return EpisodeResult(episode, workspace)

@@ -73,6 +73,8 @@ class EpisodeOutcome:
     "edit", "question", "malformed" or "other"; "" when unknown (an outcome recorded before this field)."""
     first_write: str | None = None
     """What the first reply wrote to the task's (first) solution file; None when it wrote nothing there."""
+    test_results: list[bool] = field(default_factory=list)
+    """Whether each of the episode's own test runs (run_tests) passed, in order."""
 
 
 @dataclass
@@ -234,6 +236,6 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
         outcomes.append(EpisodeOutcome(result.task_id, task_seed(seed, index[result.task_id]), result.grades[0].passed,
                                        episode["ended_by"], episode["turns"], episode["tool_calls"],
                                        episode["malformed_tool_calls"], episode["tokens"], action,
-                                       reply["writes"].get(solution) if reply else None))
+                                       reply["writes"].get(solution) if reply else None, episode["test_results"]))
     return outcomes
 
