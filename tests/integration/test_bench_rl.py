@@ -17,7 +17,8 @@ def test_bench_learn_quick():
     assert 0.0 <= m["base_pass_at_1"] <= 1.0 and 0.0 <= m["rl_pass_at_1"] <= 1.0
     # the smoke base records how it was built, so fresh tasks of the trained structures are evaluated too
     assert 0.0 <= m["base_pass_at_1_train_structures"] <= 1.0 and 0.0 <= m["rl_pass_at_1_train_structures"] <= 1.0
-    assert set(m["rl_behaviour"]) == {"failed_submits", "out_of_turns", "malformed_tool_calls", "mean_turns", "repairs"}
+    assert set(m["rl_behaviour"]) == {"failed_submits", "out_of_turns", "malformed_tool_calls", "mean_turns",
+                                      "repairs"}
     assert m["base_behaviour"]["failed_submits"] + m["base_behaviour"]["out_of_turns"] <= 4
     gained, lost = m["lift_gained_lost"]
     assert m["lift"] == pytest.approx((gained - lost) / m["eval_tasks"])

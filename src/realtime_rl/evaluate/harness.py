@@ -94,7 +94,8 @@ def episode_summary(episode: Episode) -> dict[str, Any]:
             "tool_calls": episode.num_tool_calls, "malformed_tool_calls": episode.malformed_tool_calls,
             "tool_errors": episode.tool_errors, "tokens": episode.num_tokens,
             "summaries": len(episode.summary_lengths), "passed": episode.passed,
-            "first_reply": episode.metadata.get("first_reply"), "test_results": episode.metadata.get("test_results", [])}
+            "first_reply": episode.metadata.get("first_reply"),
+            "test_results": episode.metadata.get("test_results", [])}
 
 
 def evaluate_policy(
