@@ -108,9 +108,12 @@ class Tools:
         self.runner = runner
         self.test_timeout_s = test_timeout_s
         self.max_output_chars = max_output_chars
-        self.test_runs = 0
         self.test_results: list[bool] = []
         """Whether each test run passed, in order."""
+
+    @property
+    def test_runs(self) -> int:
+        return len(self.test_results)
 
     def call(self, name: str, arguments_json: str) -> ToolOutcome:
         args = json.loads(arguments_json)  # the parser produced it: always a JSON object
@@ -174,7 +177,6 @@ class Tools:
     def _tool_run_tests(self) -> ToolOutcome:
         if self.runner is None:
             return ToolOutcome("error: no test runner is available in this environment", error=True)
-        self.test_runs += 1
         report = self.runner.run_tests(self.workspace.snapshot(), self.test_files, timeout_s=self.test_timeout_s)
         self.test_results.append(report.ok)
         verdict = "all tests passed" if report.ok else "tests failed"
