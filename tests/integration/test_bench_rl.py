@@ -32,6 +32,11 @@ def test_bench_learn_quick():
         assert sum(m[f"{side}_first_write_failed"].values()) == 4 - round(4 * m[f"{side}_pass_at_1"])
         assert 0.0 <= m[f"{side}_structure_mean_pass_at_1"] <= 1.0
     assert 1 <= m["heldout_structures"] <= 4
+    assert m["eval_attempts"] == 4
+    for side in ("base", "rl"):  # every episode made 1..4 attempts; a pass is counted at the attempt that passed
+        assert sum(m[f"{side}_attempts"].values()) == 4 and set(m[f"{side}_attempts"]) <= {1, 2, 3, 4}
+        assert sum(m[f"{side}_passed_by_attempt"].values()) == round(4 * m[f"{side}_pass_at_1"])
+        assert m[f"{side}_first_attempt_pass_at_1"] == m[f"{side}_passed_by_attempt"].get(1, 0) / 4
     assert {k: len(v) for k, v in m["train_curve_10_steps"].items()} == {
         "pass_rate": 1, "reward_mean": 1, "malformed_tool_calls": 1, "entropy": 1, "kl_ref": 1}
 
@@ -96,6 +101,24 @@ def test_bench_vs_trl_quick():
     assert m["target_pass_at_1"] == m["base_pass_at_1"]
     assert m["ours_minutes_to_target"] == m["trl_minutes_to_target"] == 0.0
     assert {"ratio_monotone", "ours_minutes_to_target_monotone", "trl_minutes_to_target_monotone"} <= m.keys()
+
+
+def test_first_attempts_and_the_attempts_setting(monkeypatch):
+    from realtime_rl.bench.learn import EVAL_ATTEMPTS, eval_attempts, first_attempts, paired_lift
+
+    rows = [(True, 1), (True, 3), (False, 4), (True, 1), (False, 1)]
+    report = {"per_task": [{"task_id": f"t{i}", "passed": p, "attempts": a} for i, (p, a) in enumerate(rows)]}
+    assert [r["passed"] for r in first_attempts(report)["per_task"]] == [True, False, False, True, False]
+    lift = paired_lift(first_attempts(report), report)  # the later attempts gained one task, lost none
+    assert (lift["gained"], lift["lost"]) == (1, 0)
+    monkeypatch.delenv("RTRL_BENCH_ATTEMPTS", raising=False)
+    assert eval_attempts() == EVAL_ATTEMPTS
+    monkeypatch.setenv("RTRL_BENCH_ATTEMPTS", "1")
+    assert eval_attempts() == 1
+    for bad in ("0", "two", "-1", "101"):
+        monkeypatch.setenv("RTRL_BENCH_ATTEMPTS", bad)
+        with pytest.raises(ValueError, match="RTRL_BENCH_ATTEMPTS"):
+            eval_attempts()
 
 
 def test_paired_lift_counts_tasks_that_changed_outcome():

@@ -138,6 +138,55 @@ def test_first_reply_records_what_it_wrote_and_only_the_first_reply(tokenizer, t
     assert ep.metadata["first_reply"]["writes"] == {}
 
 
+def test_a_failing_test_run_starts_a_fresh_attempt(tokenizer, task, sandbox):
+    solution = task.reference_solution()["two_fer.py"]
+    replies = [
+        tc("write_file", path="two_fer.py", content="def two_fer(name='you'):\n    return name\n")
+        + tc("write_file", path="notes.txt", content="first try"),
+        tc("run_tests") + tc("submit"),  # the tests fail: with attempts left, the submit never runs
+        tc("write_file", path="two_fer.py", content=solution),
+        tc("run_tests"),
+        tc("submit"),
+    ]
+    policy = ScriptedPolicy(tokenizer, replies)
+    result = run_episode(policy, tokenizer, task, sandbox, AgentConfig(attempts=3))
+    ep = result.episode
+    assert ep.ended_by == "submit" and ep.num_turns == 5 and ep.metadata["attempts"] == 2
+    assert ep.metadata["test_results"] == [False, True]
+    assert "notes.txt" not in result.workspace.files  # the second attempt started from the task's files
+    assert grade(task, result.workspace.snapshot(), sandbox).passed
+    assert len(ep.segments) == 2
+    first, second = ep.segments
+    head = policy.contexts[0]
+    assert second.token_ids[:len(head)].tolist() == head  # the task again, nothing of the first attempt
+    assert "tests failed" in tokenizer.decode(first.token_ids.tolist())
+    assert "tests failed" not in tokenizer.decode(second.token_ids.tolist())
+    assert ep.metadata["first_reply"]["writes"]["notes.txt"] == "first try"  # the episode's first reply
+
+    # One attempt: the same replies go on in the context and submit the failing program.
+    ep = run_episode(ScriptedPolicy(tokenizer, replies), tokenizer, task, sandbox, AgentConfig()).episode
+    assert ep.ended_by == "submit" and ep.num_turns == 2 and ep.metadata["attempts"] == 1
+    assert ep.metadata["test_results"] == [False] and len(ep.segments) == 1
+
+
+def test_the_last_attempt_keeps_its_failing_run_and_turn_limits_are_per_attempt(tokenizer, task, sandbox):
+    replies = [tc("run_tests"), tc("run_tests"), tc("list_files")]  # the stub fails; then the agent looks around
+    ep = run_episode(ScriptedPolicy(tokenizer, replies), tokenizer, task, sandbox,
+                     AgentConfig(attempts=2, max_turns=3)).episode
+    # Attempt 1: one turn (its run failed); attempt 2: three turns, its failing run kept in context.
+    assert ep.metadata["attempts"] == 2 and ep.num_turns == 4 and ep.ended_by == "max_turns"
+    assert ep.metadata["test_results"] == [False, False]
+
+
+def test_rl_rollouts_train_one_attempt_episodes():
+    from pydantic import ValidationError
+
+    from realtime_rl.config import RolloutConfig
+
+    with pytest.raises(ValidationError, match="attempts"):
+        RolloutConfig(agent=AgentConfig(attempts=2))
+
+
 class SummarizingPolicy(ScriptedPolicy):
     """Scripted replies, except that a summary request gets the summary text."""
 

@@ -162,6 +162,12 @@ class AgentConfig(StrictModel):
     """Wall-clock limit of one run_tests call."""
     max_observation_chars: int = Field(4000, ge=100, le=1_000_000)
     """Tool outputs longer than this are truncated before the model sees them."""
+    attempts: int = Field(1, ge=1, le=100)
+    """Fresh attempts per episode. When a run of the visible tests fails and attempts remain, the loop drops
+    the attempt's workspace and context and starts the task again from the system prompt and the task (a new
+    segment, max_turns turns of its own); the episode ends with its last attempt. Every attempt sees exactly
+    what a one-attempt episode sees, so a policy trained on one-attempt episodes is what each attempt samples.
+    1: the agent repairs in context after a failing run."""
 
     @model_validator(mode="after")
     def _check(self) -> AgentConfig:

@@ -230,6 +230,14 @@ class RolloutConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _one_attempt(self) -> RolloutConfig:
+        if self.agent.attempts != 1:
+            raise ValueError(f"rollout.agent.attempts is {self.agent.attempts}: RL trains one-attempt episodes (an "
+                             "abandoned attempt would share its episode's reward and advantage); fresh attempts "
+                             "are for evaluation and serving, where each attempt samples the trained policy")
+        return self
+
+    @model_validator(mode="after")
     def _ray_actors_name_their_gpu_cuda(self) -> RolloutConfig:
         if self.backend == "ray" and self.device not in ("cpu", "cuda"):
             raise ValueError(f"rollout.device {self.device!r} with backend ray: each actor sees only the GPUs it "

@@ -12,7 +12,14 @@ policy produced: the context is only ever extended with new tokens, never re-tok
 Self-summarization: when a segment's context passes `summary_trigger_tokens`, the policy is asked to
 summarize its work; that summary (policy tokens, trained like any others) closes the segment and a
 new one starts from the system prompt, the task and the summary. All segments share the episode's
-reward. Not here: grading (grading.py), rewards (rewards/), batching of many episodes (rollout/).
+reward.
+
+Fresh attempts (`AgentConfig.attempts` > 1): when a run of the visible tests fails and attempts remain, the
+attempt is abandoned, its workspace and context dropped, and the task starts again from the system prompt
+(a new segment, its own turn and summary budgets): each attempt is a one-attempt episode, and the episode's
+workspace is its last attempt's. A small policy rewrites its program after a failing run far less often
+than a fresh sample passes (BENCHMARKS.md, learn). Not here: grading (grading.py), rewards (rewards/),
+batching of many episodes (rollout/).
 """
 
 from __future__ import annotations
@@ -156,18 +163,20 @@ def run_episode(
     turn_end = tokenizer.encode(f"{IM_END}\n")
     base_messages = first_turn_messages(task)
 
+    first_context = tokenizer.encode(render_messages(base_messages, TOOL_SCHEMAS))
     segments: list[Segment] = []
     seg = _SegmentBuilder()
-    seg.add_context(tokenizer.encode(render_messages(base_messages, TOOL_SCHEMAS)))
+    seg.add_context(first_context)
     summary_lengths: list[int] = []
     ended_by: EpisodeEnd = "max_turns"
     question = None
     turns = tool_calls = malformed = tool_errors = 0
+    attempt, attempt_turns, attempt_summaries = 1, 0, 0
     first_reply: dict[str, Any] | None = None
 
-    while turns < config.max_turns:
+    while attempt_turns < config.max_turns:
         # Self-summarize when the context is past its budget, then restart the segment from the summary.
-        if len(seg.token_ids) > config.summary_trigger_tokens and len(summary_lengths) < config.max_summaries:
+        if len(seg.token_ids) > config.summary_trigger_tokens and attempt_summaries < config.max_summaries:
             request = render_messages([{"role": "user", "content": SUMMARY_REQUEST}], add_generation_prompt=True)
             seg.add_context(tokenizer.encode(request))
             if len(seg.token_ids) + config.max_summary_tokens > config.max_context_tokens:
@@ -178,6 +187,7 @@ def run_episode(
             segments.append(seg.build())
             summary = tokenizer.decode([t for t in out.token_ids if t not in stop_ids], skip_special_tokens=True)
             summary_lengths.append(len(out.token_ids))
+            attempt_summaries += 1
             seg = _SegmentBuilder()
             restart = [*base_messages, {"role": "user", "content": SUMMARY_PREFIX + summary.strip()}]
             seg.add_context(tokenizer.encode(render_messages(restart, TOOL_SCHEMAS)))
@@ -187,6 +197,7 @@ def run_episode(
             ended_by = "context_overflow"
             break
         turns += 1
+        attempt_turns += 1
         out = policy.generate(seg.token_ids, config.max_new_tokens, stop_ids)
         seg.add_generated(out)
         if out.token_ids and out.token_ids[-1] in stop_ids:
@@ -205,9 +216,10 @@ def run_episode(
         results: list[tuple[int, str]] = []
         malformed += len(parsed.errors)
         results += [(e.index, f"error: {e.message}") for e in parsed.errors]
-        ended = False
+        ended = retry = False
         for call in parsed.tool_calls:  # in the order written; the id carries the block's index
             tool_calls += 1
+            runs = tools.test_runs
             outcome = tools.call(call.function.name, call.function.arguments)
             tool_errors += outcome.error
             results.append((int(call.id.removeprefix("call_")), outcome.content))
@@ -216,6 +228,9 @@ def run_episode(
                 ended_by = "ask_user" if outcome.question is not None else "submit"
                 question = outcome.question
                 break
+            if tools.test_runs > runs and not tools.test_results[-1] and attempt < config.attempts:
+                retry = True  # the tests failed: abandon this attempt (its remaining calls never run)
+                break
         if ended:
             break
         if not parsed.tool_calls and not parsed.errors:
@@ -223,6 +238,12 @@ def run_episode(
             break
         observations = [content for _, content in sorted(results)]
         seg.add_context(tokenizer.encode(render_tool_responses(observations, add_generation_prompt=False)))
+        if retry:  # a fresh attempt: the task's files, a new segment from the task's first context
+            segments.append(seg.build())
+            tools.workspace = workspace = Workspace(task.workspace())
+            seg = _SegmentBuilder()
+            seg.add_context(first_context)
+            attempt, attempt_turns, attempt_summaries = attempt + 1, 0, 0
 
     segments.append(seg.build())
     episode = Episode(
@@ -236,6 +257,7 @@ def run_episode(
         tool_errors=tool_errors,
         summary_lengths=summary_lengths,
         question=question,
-        metadata={"test_runs": tools.test_runs, "test_results": tools.test_results, "first_reply": first_reply},
+        metadata={"test_runs": tools.test_runs, "test_results": tools.test_results, "first_reply": first_reply,
+                  "attempts": attempt},
     )
     return EpisodeResult(episode, workspace)

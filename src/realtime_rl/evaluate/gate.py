@@ -75,6 +75,8 @@ class EpisodeOutcome:
     """What the first reply wrote to the task's (first) solution file; None when it wrote nothing there."""
     test_results: list[bool] = field(default_factory=list)
     """Whether each of the episode's own test runs (run_tests) passed, in order."""
+    attempts: int = 1
+    """Attempts the episode made (AgentConfig.attempts): the last one is graded."""
 
 
 @dataclass
@@ -236,6 +238,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
         outcomes.append(EpisodeOutcome(result.task_id, task_seed(seed, index[result.task_id]), result.grades[0].passed,
                                        episode["ended_by"], episode["turns"], episode["tool_calls"],
                                        episode["malformed_tool_calls"], episode["tokens"], action,
-                                       reply["writes"].get(solution) if reply else None, episode["test_results"]))
+                                       reply["writes"].get(solution) if reply else None, episode["test_results"],
+                                       episode["attempts"]))
     return outcomes
 

@@ -75,7 +75,9 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     reference, a novice variant, other code, none), first_write_failed the same over failed episodes: a base
     that fails as the novice can be sharpened toward the expert; one that writes "other" code cannot write
     the program. repairs counts the episodes whose first test run failed and, of those, the ones that passed in
-    the end: how often the agent fixes its program after the tests say it is wrong. by_structure is
+    the end: how often the agent fixes its program after the tests say it is wrong (with agent.attempts > 1, after
+    it in a later attempt). attempts counts the episodes by the attempts they made and passed_by_attempt the
+    passed ones by the attempt that passed (the last). by_structure is
     {structure: [passed, tasks]} (most tasks first) and structure_mean_pass_at_1 the mean of its pass rates:
     the split's pools hold a structure once per constant choice, so a few structures with many constants fill
     most of the tasks (218 of the first 300 held-out difficulty-1 tasks are text:prefix or filter:lt, of 10
@@ -109,6 +111,8 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
         "failed_submits": sum(o.ended_by == "submit" and not o.passed for o in outcomes),
         "repairs": {"first_test_run_failed": len(failed_first_run),
                     "passed_after_it": sum(o.passed for o in failed_first_run)},
+        "attempts": dict(sorted(Counter(o.attempts for o in outcomes).items())),
+        "passed_by_attempt": dict(sorted(Counter(o.attempts for o in outcomes if o.passed).items())),
         "first_write": dict(Counter(kind.split(":")[0] for kind in first_write)),
         "first_write_failed": dict(Counter(k.split(":")[0] for k, o in zip(first_write, outcomes) if not o.passed)),
         "structures": len(by_structure),
