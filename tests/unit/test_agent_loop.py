@@ -12,7 +12,7 @@ import torch
 from realtime_rl.config import AgentConfig
 from realtime_rl.environments import load_task
 from realtime_rl.environments.agent_loop import (
-    SUMMARY_PREFIX, SUMMARY_REQUEST, SYSTEM_PROMPT, PolicyOutput, run_episode, task_prompt,
+    SUMMARY_PREFIX, SUMMARY_REQUEST, SYSTEM_PROMPT, PolicyOutput, first_turn_messages, run_episode, task_prompt,
 )
 from realtime_rl.environments.tools import TOOL_SCHEMAS
 from realtime_rl.environments.grading import grade
@@ -178,15 +178,6 @@ def test_the_last_attempt_keeps_its_failing_run_and_turn_limits_are_per_attempt(
     assert ep.metadata["test_results"] == [False, False]
 
 
-def test_rl_rollouts_train_one_attempt_episodes():
-    from pydantic import ValidationError
-
-    from realtime_rl.config import RolloutConfig
-
-    with pytest.raises(ValidationError, match="attempts"):
-        RolloutConfig(agent=AgentConfig(attempts=2))
-
-
 class SummarizingPolicy(ScriptedPolicy):
     """Scripted replies, except that a summary request gets the summary text."""
 
@@ -249,3 +240,23 @@ def test_real_tiny_moe_model_through_the_loop_with_replayable_routing(tokenizer,
     cfg = AgentConfig(max_turns=1, max_new_tokens=8)
     warm = run_episode(ModelPolicy(model, temperature=0.7, seed=0), tokenizer, task, sandbox, cfg).episode
     assert seg.temperature == 1.0 and warm.segments[0].temperature == 0.7
+
+
+def test_each_attempt_has_its_own_summary_budget(tokenizer, task, sandbox):
+    solution = task.reference_solution()["two_fer.py"]
+    head = len(tokenizer.encode(render_messages(first_turn_messages(task), TOOL_SCHEMAS)))
+    policy = SummarizingPolicy(tokenizer, [
+        tc("read_file", path="two_fer_test.py"),  # past the trigger: the one summary this attempt may write
+        tc("run_tests"),  # the stub fails: attempt 2
+        tc("read_file", path="two_fer_test.py"),  # past the trigger again: attempt 2's own summary
+        tc("write_file", path="two_fer.py", content=solution),
+        tc("run_tests"),
+        tc("submit"),
+    ], "Task: two_fer. Next I write the solution.")
+    cfg = AgentConfig(summary_trigger_tokens=head + 250, max_context_tokens=head + 2000, max_new_tokens=512,
+                      max_summaries=1, attempts=2)
+    result = run_episode(policy, tokenizer, task, sandbox, cfg)
+    ep = result.episode
+    assert policy.summary_calls == 2 and len(ep.summary_lengths) == 2 and len(ep.segments) == 4
+    assert ep.metadata["attempts"] == 2 and ep.metadata["test_results"] == [False, True] and ep.ended_by == "submit"
+    assert grade(task, result.workspace.snapshot(), sandbox).passed

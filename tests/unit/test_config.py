@@ -100,3 +100,15 @@ def test_prefix_reuse_across_versions_stays_within_the_staleness_bound():
     assert TrainConfig(max_staleness=2, rollout=RolloutConfig(prefix_max_age=2)).rollout.prefix_max_age == 2
     with pytest.raises(ValueError, match="may not exceed max_staleness"):
         TrainConfig(max_staleness=1, rollout=RolloutConfig(prefix_max_age=2))
+
+
+def test_fresh_attempts_stay_within_an_episodes_seeds_and_out_of_training_and_the_gate():
+    from realtime_rl.config import AgentConfig, RolloutConfig
+
+    assert AgentConfig(attempts=4, max_turns=8, max_summaries=0).attempts == 4
+    with pytest.raises(ValueError, match="sampling seeds"):  # 40 x 58 calls would reuse later episodes' seeds
+        AgentConfig(attempts=40)
+    with pytest.raises(ValueError, match="one-attempt episodes"):
+        RolloutConfig(agent=AgentConfig(attempts=2))
+    with pytest.raises(ValueError, match="as users are served"):
+        LoopConfig(agent=AgentConfig(attempts=2))

@@ -173,9 +173,13 @@ def first_attempts(report: dict[str, Any]) -> dict[str, Any]:
 
 def eval_attempts() -> int:
     value = os.environ.get("RTRL_BENCH_ATTEMPTS", str(EVAL_ATTEMPTS))
-    if not value.isdigit() or not 1 <= int(value) <= 100:
+    try:
+        attempts = int(value)
+    except ValueError:
+        attempts = 0
+    if not 1 <= attempts <= 100:
         raise ValueError(f"RTRL_BENCH_ATTEMPTS must be an integer from 1 to 100, got {value!r}")
-    return int(value)
+    return attempts
 
 
 def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:

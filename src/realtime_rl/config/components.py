@@ -141,11 +141,16 @@ class SandboxConfig(StrictModel):
     cannot promise pytest's counts (the same counts, ~3x less CPU)."""
 
 
+TURN_SEEDS = 1000
+"""Sampling seeds a seeded episode owns (environments.policies.task_seed): one per policy call."""
+
+
 class AgentConfig(StrictModel):
-    """The multi-turn agent loop: turn limits, token budgets and self-summarization."""
+    """The multi-turn agent loop: turn limits, token budgets, self-summarization and fresh attempts."""
 
     max_turns: int = Field(50, ge=1, le=1000)
-    """Assistant turns (each may hold several tool calls) before the episode is cut off."""
+    """Assistant turns (each may hold several tool calls) before the attempt (the episode, with one attempt)
+    is cut off."""
     max_new_tokens: int = Field(512, ge=1, le=65_536)
     """Tokens the policy may generate in one turn."""
     summary_trigger_tokens: int = Field(3072, ge=64, le=4_194_304)
@@ -155,7 +160,7 @@ class AgentConfig(StrictModel):
     max_context_tokens: int = Field(4096, ge=128, le=4_194_304)
     """Hard limit of one segment (the model's window); the episode ends if even a fresh segment cannot fit."""
     max_summaries: int = Field(8, ge=0, le=1000)
-    """Self-summaries allowed in one episode; 0 disables summarization."""
+    """Self-summaries allowed in one attempt (the episode, with one attempt); 0 disables summarization."""
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     """Sampling temperature for the policy (0 is greedy)."""
     test_timeout_s: float = Field(10.0, gt=0, le=600)
@@ -173,6 +178,11 @@ class AgentConfig(StrictModel):
     def _check(self) -> AgentConfig:
         if self.summary_trigger_tokens >= self.max_context_tokens:
             raise ValueError("summary_trigger_tokens must be below max_context_tokens")
+        calls = self.attempts * (self.max_turns + self.max_summaries)
+        if calls > TURN_SEEDS:
+            raise ValueError(f"attempts x (max_turns + max_summaries) = {calls} policy calls per episode; at most "
+                             f"{TURN_SEEDS}, the sampling seeds a seeded episode owns (more would reuse the next "
+                             "episode's)")
         return self
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from realtime_rl.config.base import StrictModel
 from realtime_rl.config.components import AgentConfig
@@ -173,3 +173,10 @@ class LoopConfig(StrictModel):
     """torch threads for training and the gate (None: torch's default)."""
     seed: int = 0
     """Seed of the gate and canary suites (apart from the users' tasks)."""
+
+    @model_validator(mode="after")
+    def _gate_sees_what_users_are_served(self) -> LoopConfig:
+        if self.agent.attempts != 1:
+            raise ValueError(f"agent.attempts is {self.agent.attempts}: the gate evaluates episodes as users are "
+                             "served them, one attempt (its monitors read the first reply)")
+        return self

@@ -219,7 +219,6 @@ def run_episode(
         ended = retry = False
         for call in parsed.tool_calls:  # in the order written; the id carries the block's index
             tool_calls += 1
-            runs = tools.test_runs
             outcome = tools.call(call.function.name, call.function.arguments)
             tool_errors += outcome.error
             results.append((int(call.id.removeprefix("call_")), outcome.content))
@@ -228,7 +227,7 @@ def run_episode(
                 ended_by = "ask_user" if outcome.question is not None else "submit"
                 question = outcome.question
                 break
-            if tools.test_runs > runs and not tools.test_results[-1] and attempt < config.attempts:
+            if outcome.tests_passed is False and attempt < config.attempts:
                 retry = True  # the tests failed: abandon this attempt (its remaining calls never run)
                 break
         if ended:

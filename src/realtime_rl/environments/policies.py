@@ -10,14 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
+from realtime_rl.config.components import TURN_SEEDS  # turn t of episode k samples with task_seed(seed, k) + t
 from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.model.generate import generate
 from realtime_rl.model.qwen3 import Qwen3ForCausalLM
 from realtime_rl.model.tokenizer import Tokenizer
-
-
-TURN_SEEDS = 1000
-"""Seeds reserved per episode: turn t of episode k samples with task_seed(seed, k) + t."""
 
 
 def task_seed(seed: int, k: int) -> int:

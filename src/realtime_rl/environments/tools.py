@@ -72,6 +72,8 @@ class ToolOutcome:
     """The call was well-formed but failed (counted as a tool error in the episode)."""
     ends_episode: bool = False
     question: str | None = None
+    tests_passed: bool | None = None
+    """The verdict of a run_tests call that ran; None for every other call."""
 
 
 class Workspace:
@@ -181,7 +183,7 @@ class Tools:
         self.test_results.append(report.ok)
         verdict = "all tests passed" if report.ok else "tests failed"
         head = f"{verdict}: {report.passed} passed, {report.failed} failed, {report.errors} errors"
-        return ToolOutcome(self._clip(f"{head}\n{report.output}".rstrip()))
+        return ToolOutcome(self._clip(f"{head}\n{report.output}".rstrip()), tests_passed=report.ok)
 
     def _tool_ask_user(self, question: str) -> ToolOutcome:
         return ToolOutcome("(waiting for the user)", ends_episode=True, question=str(question))
