@@ -24,8 +24,8 @@ saw, which `--set rollout.split=reserved` trains on (and the recipe does not).
 `*_behaviour` counts, on the held-out tasks, failed submits, episodes out of turns, malformed tool calls
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `base_greedy_pass_at_1` is the base on the same tasks at temperature 0 with one attempt (greedy attempts
-would repeat themselves): roughly what sharpening the base's
-own choices, without teaching it anything new, can reach. `*_first_write` counts what each held-out
+would repeat themselves): roughly what sharpening the base's own choices, without teaching it anything new,
+can reach in a first attempt. `*_first_write` counts what each held-out
 episode's first reply wrote (the reference, a novice variant, other code, nothing; `*_failed` over failed
 episodes): failures of the novice kind are what RL toward the expert removes, "other" ones are programs the
 model cannot write. `*_structure_mean_pass_at_1` averages pass@1 over the `heldout_structures` program
