@@ -8,7 +8,8 @@
 
 Each held-out episode is one graded submission through the agent loop with `AgentConfig.attempts` =
 EVAL_ATTEMPTS: a failing run of the visible tests starts the task afresh (environments/agent_loop.py), as an
-agent that retries from a clean slate does; RL trains one-attempt episodes, which is what each attempt samples.
+agent that retries from a clean slate does; RL trains one-attempt episodes, which is what each attempt
+samples.
 `*_first_attempt_pass_at_1` (and `lift_first_attempt`) count the episodes that passed in their first attempt:
 within the in-context repairs (~1.5% of tasks for the default base) of pass@1 with one attempt, the measure of
 the runs before 2026-11-27. `RTRL_BENCH_ATTEMPTS=N` evaluates with N attempts (1: that measure exactly).
@@ -167,7 +168,8 @@ def passed_bits(report: dict[str, Any]) -> str:
 
 
 def first_attempts(report: dict[str, Any]) -> dict[str, Any]:
-    """`report` as if only first attempts could pass: its per_task rows, passed where the first attempt passed."""
+    """`report` as if only first attempts could pass: its per_task rows, passed where the first attempt
+    passed."""
     return {"per_task": [{**r, "passed": r["passed"] and r["attempts"] == 1} for r in report["per_task"]]}
 
 
@@ -195,9 +197,11 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         before = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty, agent=agent)
         greedy = heldout_pass_at_1(base, num_tasks=num_tasks, max_difficulty=difficulty,
                                    agent=EVAL_AGENT.model_copy(update={"temperature": 0.0}))
-        before_train = heldout_pass_at_1(base, num_train, difficulty, agent=agent, **unseen) if unseen else None
+        before_train = (heldout_pass_at_1(base, num_train, difficulty, agent=agent, **unseen)
+                        if unseen else None)
         summary = train(config, show_progress=not quick)
-        after = heldout_pass_at_1(summary["checkpoint"], num_tasks=num_tasks, max_difficulty=difficulty, agent=agent)
+        after = heldout_pass_at_1(summary["checkpoint"], num_tasks=num_tasks, max_difficulty=difficulty,
+                                  agent=agent)
         after_train = (heldout_pass_at_1(summary["checkpoint"], num_train, difficulty, agent=agent, **unseen)
                        if unseen else None)
     evals = [r for r in (before, greedy, after, before_train, after_train) if r]

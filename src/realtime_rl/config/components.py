@@ -180,9 +180,9 @@ class AgentConfig(StrictModel):
             raise ValueError("summary_trigger_tokens must be below max_context_tokens")
         calls = self.attempts * (self.max_turns + self.max_summaries)
         if calls > TURN_SEEDS:
-            raise ValueError(f"attempts x (max_turns + max_summaries) = {calls} policy calls per episode; at most "
-                             f"{TURN_SEEDS}, the sampling seeds a seeded episode owns (more would reuse the next "
-                             "episode's)")
+            raise ValueError(f"attempts x (max_turns + max_summaries) = {calls} policy calls per episode; "
+                             f"at most {TURN_SEEDS}, the sampling seeds a seeded episode owns (more would "
+                             "reuse the next episode's)")
         return self
 
 

@@ -177,6 +177,6 @@ class LoopConfig(StrictModel):
     @model_validator(mode="after")
     def _gate_sees_what_users_are_served(self) -> LoopConfig:
         if self.agent.attempts != 1:
-            raise ValueError(f"agent.attempts is {self.agent.attempts}: the gate evaluates episodes as users are "
-                             "served them, one attempt (its monitors read the first reply)")
+            raise ValueError(f"agent.attempts is {self.agent.attempts}: the gate evaluates episodes as users "
+                             "are served them, one attempt (its monitors read the first reply)")
         return self

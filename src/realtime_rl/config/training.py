@@ -232,9 +232,10 @@ class RolloutConfig(StrictModel):
     @model_validator(mode="after")
     def _one_attempt(self) -> RolloutConfig:
         if self.agent.attempts != 1:
-            raise ValueError(f"rollout.agent.attempts is {self.agent.attempts}: RL trains one-attempt episodes (an "
-                             "abandoned attempt would share its episode's reward and advantage); fresh attempts "
-                             "are for evaluation and serving, where each attempt samples the trained policy")
+            raise ValueError(f"rollout.agent.attempts is {self.agent.attempts}: RL trains one-attempt "
+                             "episodes (an abandoned attempt would share its episode's reward and "
+                             "advantage); fresh attempts are for evaluation and serving, where each attempt "
+                             "samples the trained policy")
         return self
 
     @model_validator(mode="after")

@@ -256,7 +256,7 @@ def run_episode(
         tool_errors=tool_errors,
         summary_lengths=summary_lengths,
         question=question,
-        metadata={"test_runs": tools.test_runs, "test_results": tools.test_results, "first_reply": first_reply,
-                  "attempts": attempt},
+        metadata={"test_runs": tools.test_runs, "test_results": tools.test_results,
+                  "first_reply": first_reply, "attempts": attempt},
     )
     return EpisodeResult(episode, workspace)

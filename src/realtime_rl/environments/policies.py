@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from realtime_rl.config.components import TURN_SEEDS  # turn t of episode k samples with task_seed(seed, k) + t
+from realtime_rl.config.components import TURN_SEEDS  # turn t of episode k samples with task_seed + t
 from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.model.generate import generate
 from realtime_rl.model.qwen3 import Qwen3ForCausalLM

@@ -238,7 +238,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
         outcomes.append(EpisodeOutcome(result.task_id, task_seed(seed, index[result.task_id]), result.grades[0].passed,
                                        episode["ended_by"], episode["turns"], episode["tool_calls"],
                                        episode["malformed_tool_calls"], episode["tokens"], action,
-                                       reply["writes"].get(solution) if reply else None, episode["test_results"],
-                                       episode["attempts"]))
+                                       reply["writes"].get(solution) if reply else None,
+                                       episode["test_results"], episode["attempts"]))
     return outcomes
 

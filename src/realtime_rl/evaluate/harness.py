@@ -95,7 +95,8 @@ def episode_summary(episode: Episode) -> dict[str, Any]:
             "tool_errors": episode.tool_errors, "tokens": episode.num_tokens,
             "summaries": len(episode.summary_lengths), "passed": episode.passed,
             "first_reply": episode.metadata.get("first_reply"),
-            "test_results": episode.metadata.get("test_results", []), "attempts": episode.metadata.get("attempts", 1)}
+            "test_results": episode.metadata.get("test_results", []),
+            "attempts": episode.metadata.get("attempts", 1)}
 
 
 def evaluate_policy(

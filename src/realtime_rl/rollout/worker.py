@@ -71,7 +71,8 @@ class _LatentPolicy:
 class RolloutWorker:
     def __init__(self, checkpoint_dir: str | Path, config: RolloutConfig, worker_id: int = 0, seed: int = 0) -> None:
         if config.agent.attempts != 1:  # RolloutConfig refuses it; a model_copy(update=...) skips that check
-            raise ValueError(f"rollout.agent.attempts is {config.agent.attempts}: RL trains one-attempt episodes")
+            raise ValueError(f"rollout.agent.attempts is {config.agent.attempts}: "
+                             "RL trains one-attempt episodes")
         torch.set_num_threads(config.threads_per_worker)
         ckpt = load_checkpoint(checkpoint_dir, device=config.device, dtype=getattr(torch, config.dtype))
         if ckpt.tokenizer is None:

@@ -73,15 +73,15 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     structure and first_write kind).
     first_write counts what the first reply wrote to the solution file (corpus.classify_solution: the
     reference, a novice variant, other code, none), first_write_failed the same over failed episodes: a base
-    that fails as the novice can be sharpened toward the expert; one that writes "other" code cannot write
-    the program. repairs counts the episodes whose first test run failed and, of those, the ones that passed in
-    the end: how often the agent fixes its program after the tests say it is wrong (with agent.attempts > 1, after
-    it in a later attempt). attempts counts the episodes by the attempts they made and passed_by_attempt the
-    passed ones by the attempt that passed (the last). by_structure is
-    {structure: [passed, tasks]} (most tasks first) and structure_mean_pass_at_1 the mean of its pass rates:
-    the split's pools hold a structure once per constant choice, so a few structures with many constants fill
-    most of the tasks (218 of the first 300 held-out difficulty-1 tasks are text:prefix or filter:lt, of 10
-    structures) and pass_at_1 leans on them.
+    that fails as the novice can be sharpened toward the expert; one that writes "other" code cannot write the
+    program. repairs counts the episodes whose first test run failed and, of those, the ones that passed in
+    the end: how often the agent fixes its program after the tests say it is wrong (with agent.attempts > 1,
+    in a later attempt). attempts counts the episodes by the attempts they made and passed_by_attempt the
+    passed ones by the attempt that passed (the last). by_structure is {structure: [passed, tasks]} (most
+    tasks first) and structure_mean_pass_at_1 the mean of its pass rates: the split's pools hold a structure
+    once per constant choice, so a few structures with many constants fill most of the tasks (218 of the first
+    300 held-out difficulty-1 tasks are text:prefix or filter:lt, of 10 structures) and pass_at_1 leans on
+    them.
     """
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
