@@ -31,6 +31,8 @@ def test_bench_learn_quick():
         assert sum(m[f"{side}_first_write"].values()) == 4
         assert sum(m[f"{side}_first_write_failed"].values()) == 4 - round(4 * m[f"{side}_pass_at_1"])
         assert 0.0 <= m[f"{side}_structure_mean_pass_at_1"] <= 1.0
+        comments = m[f"{side}_stage_comments"]
+        assert comments["right"] + comments["none"] + sum(comments["wrong_at_stage"].values()) == 4
     assert 1 <= m["heldout_structures"] <= 4
     assert m["eval_attempts"] == 4
     for side in ("base", "rl"):  # every episode made 1..4 attempts; a pass is counted at the attempt that passed

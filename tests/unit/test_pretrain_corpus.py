@@ -18,6 +18,7 @@ from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
     MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution, commented, renamed,
+    wrong_stage_comment,
     shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
 )
 from realtime_rl.train.pretrain import (
@@ -135,6 +136,25 @@ def test_classify_solution_names_the_script_that_wrote_a_first_attempt(tmp_path)
         assert classify_solution(task, reference.replace("    return", "    return -1 +", 1)) == "other"
         assert classify_solution(task, None) == "none"
     assert len(kinds) == 4  # every bug kind was met and told apart
+
+
+def test_wrong_stage_comment_names_the_first_stage_whose_comment_is_not_the_instructions_step(tmp_path):
+    for task in _tasks(tmp_path, 20):
+        stages = task.metadata["difficulty"]
+        reference = _solution(task, True, random.Random(0))
+        assert wrong_stage_comment(task, reference) == 0
+        assert wrong_stage_comment(task, reference.upper().replace("DEF ", "def ")) == 0  # case aside
+        assert wrong_stage_comment(task, reference.replace("    return", "    return -1 +", 1)) == 0  # code aside
+        assert wrong_stage_comment(task, None) is None
+        comments = [line for line in reference.splitlines() if line.lstrip().startswith("#")]
+        assert len(comments) == stages
+        last = reference.replace(comments[-1], "    # keep only the numbers greater than 99")
+        assert wrong_stage_comment(task, last) == stages
+        assert wrong_stage_comment(task, reference.replace(comments[0] + "\n", "", 1)) == 1  # a stage left out
+        assert wrong_stage_comment(task, reference + "    # and one more stage\n") == stages + 1
+        for bug in task.metadata["novice_bugs"]:  # a novice keeps every stage's comment
+            missing = bug["stage"] - 1 if bug["kind"] == "missing_step" else None
+            assert wrong_stage_comment(task, commented(task.read(bug["file"]), missing, task.instructions)) == 0
 
 
 def test_write_documents_are_the_loops_first_turn(tmp_path):

@@ -29,7 +29,10 @@ would repeat themselves): roughly what sharpening the base's own choices, withou
 can reach in a first attempt. `*_first_write` counts what each held-out
 episode's first reply wrote (the reference, a novice variant, other code, nothing; `*_failed` over failed
 episodes): failures of the novice kind are what RL toward the expert removes, "other" ones are programs the
-model cannot write. `*_structure_mean_pass_at_1` averages pass@1 over the `heldout_structures` program
+model cannot write. `*_stage_comments` counts the episodes whose first write's stage comments are the
+instructions' steps (`right`, `right_passed`) and those whose first wrong one is at stage k: on held-out
+structures the default base mostly writes another stage's comment, and the code follows it.
+`*_structure_mean_pass_at_1` averages pass@1 over the `heldout_structures` program
 structures the tasks belong to, each weighing the same (two structures fill most difficulty-1 tasks).
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model; `--set KEY=VALUE`
 changes the recipe (`rtrl bench learn --set rl.kl_coef=0`; the result records it).
@@ -235,6 +238,8 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "rl_first_write": after["first_write"],
         "base_first_write_failed": before["first_write_failed"],
         "rl_first_write_failed": after["first_write_failed"],
+        "base_stage_comments": before["stage_comments"],
+        "rl_stage_comments": after["stage_comments"],
         "heldout_structures": before["structures"],
         "base_structure_mean_pass_at_1": before["structure_mean_pass_at_1"],
         "rl_structure_mean_pass_at_1": after["structure_mean_pass_at_1"],

@@ -29,7 +29,7 @@ from typing import Any
 from realtime_rl.config import AgentConfig
 from realtime_rl.environments import Task, generate_task, load_task
 from realtime_rl.evaluate import evaluate_checkpoint
-from realtime_rl.train.corpus import classify_solution
+from realtime_rl.train.corpus import classify_solution, wrong_stage_comment
 
 EVAL_AGENT = AgentConfig(max_turns=8, max_new_tokens=384, summary_trigger_tokens=3072, max_context_tokens=4096,
                          max_summaries=0)
@@ -57,6 +57,14 @@ def wilson_interval(passed: int, total: int, z: float = 1.96) -> tuple[float, fl
     return max(0.0, center - half), min(1.0, center + half)
 
 
+def _comment_counts(wrong: list[int | None], outcomes: list[Any]) -> dict[str, Any]:
+    """Episodes by their first write's stage comments: all right, first wrong at stage k, nothing written;
+    and how many of the right ones passed."""
+    right = [o.passed for w, o in zip(wrong, outcomes) if w == 0]
+    return {"right": len(right), "right_passed": sum(right), "none": wrong.count(None),
+            "wrong_at_stage": dict(sorted(Counter(w for w in wrong if w).items()))}
+
+
 def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficulty: int = 2, seed: int = 0,
                       top_p: float = 1.0, agent: AgentConfig = EVAL_AGENT,
                       concurrency: int = 16, threads: int | None = None, split: str = "heldout",
@@ -76,7 +84,10 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     that fails as the novice can be sharpened toward the expert; one that writes "other" code cannot write the
     program. repairs counts the episodes whose first test run failed and, of those, the ones that passed in
     the end: how often the agent fixes its program after the tests say it is wrong (with agent.attempts > 1,
-    in a later attempt). attempts counts the episodes by the attempts they made and passed_by_attempt the
+    in a later attempt). stage_comments counts the episodes whose first write's stage comments are the
+    instructions' steps (`right`, and of those `right_passed`), the ones whose first wrong comment is at
+    stage k (`wrong_at_stage`) and those that wrote nothing (corpus.wrong_stage_comment): most held-out
+    failures of the default base start with another stage's comment. attempts counts the episodes by the attempts they made and passed_by_attempt the
     passed ones by the attempt that passed (the last). by_structure is {structure: [passed, tasks]} (most
     tasks first) and structure_mean_pass_at_1 the mean of its pass rates: the split's pools hold a structure
     once per constant choice, so a few structures with many constants fill most of the tasks (218 of the first
@@ -90,6 +101,7 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
                                        concurrency=concurrency, top_p=top_p)
         by_id = {t.task_id: t for t in tasks}
         first_write = [classify_solution(by_id[o.task_id], o.first_write) for o in outcomes]
+        comment = [wrong_stage_comment(by_id[o.task_id], o.first_write) for o in outcomes]
     by_difficulty: dict[int, list[bool]] = {}
     by_structure: dict[str, list[int]] = {}
     for o in outcomes:
@@ -115,10 +127,12 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
         "passed_by_attempt": dict(sorted(Counter(o.attempts for o in outcomes if o.passed).items())),
         "first_write": dict(Counter(kind.split(":")[0] for kind in first_write)),
         "first_write_failed": dict(Counter(k.split(":")[0] for k, o in zip(first_write, outcomes) if not o.passed)),
+        "stage_comments": _comment_counts(comment, outcomes),
         "structures": len(by_structure),
         "structure_mean_pass_at_1": sum(p / n for p, n in by_structure.values()) / len(by_structure),
         "by_structure": dict(sorted(by_structure.items(), key=lambda kv: -kv[1][1])),
         "minutes": (time.perf_counter() - t0) / 60,
-        "per_task": [{**asdict(o), "first_write": kind, "structure": by_id[o.task_id].metadata["structure"]}
-                     for o, kind in zip(outcomes, first_write)],
+        "per_task": [{**asdict(o), "first_write": kind, "wrong_stage_comment": wrong,
+                      "structure": by_id[o.task_id].metadata["structure"]}
+                     for o, kind, wrong in zip(outcomes, first_write, comment)],
     }

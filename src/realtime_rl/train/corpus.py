@@ -146,6 +146,25 @@ def classify_solution(task: Task, content: str | None) -> str:
     return "other"
 
 
+def stage_comments(source: str) -> list[str]:
+    """The comment lines of a module, in order, without `#` and surrounding space."""
+    return [line.strip()[1:].strip() for line in source.splitlines() if line.strip().startswith("#")]
+
+
+def wrong_stage_comment(task: Task, content: str | None) -> int | None:
+    """The first stage (1-based) whose comment in `content` is not the one the corpus writes for the task
+    (the instructions' step, case aside), 0 when every stage's is, None when nothing was written. A
+    base whose stage comments come out right but whose program fails cannot write the stage's code;
+    one that writes another stage's comment ("keep only the numbers greater than 12" where the
+    instructions say "less than") did not copy the instructions, and the code below it follows the comment."""
+    if content is None:
+        return None
+    expected = [c.lower() for c in stage_comments(_reference(task))]
+    written = [c.lower() for c in stage_comments(content)]
+    return next((i + 1 for i, (a, b) in enumerate(zip(expected, written)) if a != b),
+                0 if len(written) == len(expected) else min(len(written), len(expected)) + 1)
+
+
 def episode_script(task: Task, expert: bool, fix_rate: float, rng: random.Random) -> list[str]:
     """The assistant turns of one expert or novice episode."""
     path = task.solution_files[0]
