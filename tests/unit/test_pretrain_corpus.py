@@ -144,17 +144,19 @@ def test_wrong_stage_comment_names_the_first_stage_whose_comment_is_not_the_inst
         reference = _solution(task, True, random.Random(0))
         assert wrong_stage_comment(task, reference) == 0
         assert wrong_stage_comment(task, reference.upper().replace("DEF ", "def ")) == 0  # case aside
-        assert wrong_stage_comment(task, reference.replace("    return", "    return -1 +", 1)) == 0  # code aside
+        wrong_code = reference.replace("    return", "    return -1 +", 1)
+        assert wrong_stage_comment(task, wrong_code) == 0  # the code is not judged
         assert wrong_stage_comment(task, None) is None
         comments = [line for line in reference.splitlines() if line.lstrip().startswith("#")]
         assert len(comments) == stages
         last = reference.replace(comments[-1], "    # keep only the numbers greater than 99")
         assert wrong_stage_comment(task, last) == stages
-        assert wrong_stage_comment(task, reference.replace(comments[0] + "\n", "", 1)) == 1  # a stage left out
+        assert wrong_stage_comment(task, reference.replace(comments[0] + "\n", "", 1)) == 1  # one left out
         assert wrong_stage_comment(task, reference + "    # and one more stage\n") == stages + 1
         for bug in task.metadata["novice_bugs"]:  # a novice keeps every stage's comment
             missing = bug["stage"] - 1 if bug["kind"] == "missing_step" else None
-            assert wrong_stage_comment(task, commented(task.read(bug["file"]), missing, task.instructions)) == 0
+            novice = commented(task.read(bug["file"]), missing, task.instructions)
+            assert wrong_stage_comment(task, novice) == 0
 
 
 def test_write_documents_are_the_loops_first_turn(tmp_path):
