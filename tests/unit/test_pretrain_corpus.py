@@ -18,8 +18,7 @@ from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
     MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution, commented, renamed,
-    wrong_stage_comment,
-    shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring,
+    shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring, wrong_stage_comment,
 )
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss, prefix_cache,

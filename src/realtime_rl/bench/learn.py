@@ -26,14 +26,14 @@ saw, which `--set rollout.split=reserved` trains on (and the recipe does not).
 and mean turns: what RL changed in how episodes end, which pass@1 alone hides.
 `base_greedy_pass_at_1` is the base on the same tasks at temperature 0 with one attempt (greedy attempts
 would repeat themselves): roughly what sharpening the base's own choices, without teaching it anything new,
-can reach in a first attempt. `*_first_write` counts what each held-out
-episode's first reply wrote (the reference, a novice variant, other code, nothing; `*_failed` over failed
-episodes): failures of the novice kind are what RL toward the expert removes, "other" ones are programs the
-model cannot write. `*_stage_comments` counts the episodes whose first write's stage comments are the
-instructions' steps (`right`, `right_passed`) and those whose first wrong one is at stage k: on held-out
-structures the default base mostly writes another stage's comment, and the code follows it.
-`*_structure_mean_pass_at_1` averages pass@1 over the `heldout_structures` program
-structures the tasks belong to, each weighing the same (two structures fill most difficulty-1 tasks).
+can reach in a first attempt. `*_first_write` counts what each held-out episode's first reply wrote (the
+reference, a novice variant, other code, nothing; `*_failed` over failed episodes): failures of the novice
+kind are what RL toward the expert removes, "other" ones are programs the model cannot write.
+`*_stage_comments` counts the episodes whose first write's stage comments are the instructions' steps
+(`right`, `right_passed`) and those whose first wrong one is at stage k: on held-out structures the default
+base mostly writes another stage's comment, and the code follows it. `*_structure_mean_pass_at_1` averages
+pass@1 over the `heldout_structures` program structures the tasks belong to, each weighing the same (two
+structures fill most difficulty-1 tasks).
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model; `--set KEY=VALUE`
 changes the recipe (`rtrl bench learn --set rl.kl_coef=0`; the result records it).
 `base_passed_bits` / `rl_passed_bits` say which held-out tasks passed, in task order.

@@ -88,11 +88,11 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     instructions' steps (`right`, and of those `right_passed`), the ones whose first wrong comment is at
     stage k (`wrong_at_stage`) and those that wrote nothing (corpus.wrong_stage_comment): most held-out
     failures of the default base start with another stage's comment. attempts counts the episodes by the
-    attempts they made and passed_by_attempt the passed ones by the attempt that passed (the last). by_structure is {structure: [passed, tasks]} (most
-    tasks first) and structure_mean_pass_at_1 the mean of its pass rates: the split's pools hold a structure
-    once per constant choice, so a few structures with many constants fill most of the tasks (218 of the first
-    300 held-out difficulty-1 tasks are text:prefix or filter:lt, of 10 structures) and pass_at_1 leans on
-    them.
+    attempts they made and passed_by_attempt the passed ones by the attempt that passed (the last).
+    by_structure is {structure: [passed, tasks]} (most tasks first) and structure_mean_pass_at_1 the mean of
+    its pass rates: the split's pools hold a structure once per constant choice, so a few structures with many
+    constants fill most of the tasks (218 of the first 300 held-out difficulty-1 tasks are text:prefix or
+    filter:lt, of 10 structures) and pass_at_1 leans on them.
     """
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
