@@ -51,10 +51,18 @@ def test_unseen_train_tasks_start_past_what_pretraining_generated(tmp_path):
     assert unseen_train_tasks(tmp_path, 10, 2) is None  # no pretrain.json: unknown, so not evaluated
     (tmp_path / "pretrain.json").write_text('{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3}}')
     args = unseen_train_tasks(tmp_path, 10, 2)
-    assert args == {"split": "train", "start": 5, "seed": 3}
+    assert args == {"split": "train", "start": {1: 5, 2: 4}, "seed": 3}
     seen = {t.task_id for t in synthetic_tasks(9, 2, seed=3)}
-    fresh = {generate_task(i, "train", 3, difficulty=d).slug for d in (1, 2) for i in range(5, 10)}
-    assert not seen & fresh
+    fresh = {generate_task(i, "train", 3, difficulty=d).slug
+             for d in (1, 2) for i in range(args["start"][d], 10)}
+    assert not seen & fresh and len(seen) + len(fresh) == 20  # every index below the starts was seen
+    (tmp_path / "pretrain.json").write_text(
+        '{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3, "difficulty_weights": [1, 3]}}')
+    assert unseen_train_tasks(tmp_path, 10, 2)["start"] == {1: 3, 2: 6}
+    seen = {t.task_id for t in synthetic_tasks(9, 2, seed=3, difficulty_weights=(1, 3))}
+    assert seen == {generate_task(i, "train", 3, difficulty=d).slug for d, n in ((1, 3), (2, 6))
+                    for i in range(n)}
+    (tmp_path / "pretrain.json").write_text('{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3}}')
     assert unseen_train_tasks(tmp_path, 10**6, 2) is None  # past the end of the split
     (tmp_path / "pretrain.json").write_text(
         '{"config": {"num_tasks": 9, "max_difficulty": 2, "seed": 3, "reserve_structures": true}}')

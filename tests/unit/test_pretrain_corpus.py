@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from realtime_rl.config import ModelConfig, PretrainConfig, load_config
@@ -18,7 +19,8 @@ from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
     MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution, commented, renamed,
-    shared_prefix_length, synthetic_tasks, tokenizer_texts, without_docstring, wrong_stage_comment,
+    shared_prefix_length, synthetic_tasks, tasks_per_difficulty, tokenizer_texts, without_docstring,
+    wrong_stage_comment,
 )
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss, prefix_cache,
@@ -65,6 +67,24 @@ def test_a_corpus_that_reserves_structures_leaves_out_exactly_theirs():
     assert kept[1][-1] > 99 and kept[2][-1] > 99  # and some were reserved
     later = [task.task_id for task in synthetic_tasks(20, max_difficulty=2, seed=0, start=180, reserve_structures=True)]
     assert later == [task.task_id for task in tasks[180:]]
+
+
+def test_difficulty_weights_set_how_many_tasks_of_each_difficulty_a_cycle_takes():
+    tasks = [task.task_id for task in synthetic_tasks(16, 2, seed=0, difficulty_weights=(1, 3))]
+    assert tasks == [f"syn-train-d{d}-{i:06d}"
+                     for c in range(4) for d, i in ((1, c), (2, 3 * c), (2, 3 * c + 1), (2, 3 * c + 2))]
+    later = synthetic_tasks(4, 2, seed=0, start=4, difficulty_weights=(1, 3))
+    assert tasks[4:8] == [task.task_id for task in later]
+    even = [task.task_id for task in synthetic_tasks(10, max_difficulty=2, seed=0, difficulty_weights=(1, 1))]
+    assert even == [task.task_id for task in synthetic_tasks(10, max_difficulty=2, seed=0)]
+    assert tasks_per_difficulty(16, 2, (1, 3)) == {1: 4, 2: 12} and tasks_per_difficulty(9, 2) == {1: 5, 2: 4}
+    assert tasks_per_difficulty(10, 2, (1, 3)) == {1: 3, 2: 7}
+    only_two = synthetic_tasks(6, 2, seed=0, difficulty_weights=(0, 1))
+    assert {task.metadata["difficulty"] for task in only_two} == {2}
+    for bad in ((1,), (1, 2, 3), (0, 0), (1, -1)):
+        with pytest.raises(ValueError, match="difficulty_weights"):
+            PretrainConfig(difficulty_weights=bad)
+    assert config_hash(PretrainConfig(difficulty_weights=(1, 7))) != config_hash(PretrainConfig())
 
 
 def test_renamed_tasks_are_the_same_task_under_another_name():

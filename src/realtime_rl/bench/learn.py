@@ -47,7 +47,6 @@ few steps (a test runs it; its pass@1 figures mean nothing).
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
@@ -63,6 +62,7 @@ from realtime_rl.evaluate.gate import tango_interval
 from realtime_rl.rollout import train
 from realtime_rl.train import ensure_base_model, pretrain
 from realtime_rl.train.base_eval import EVAL_AGENT, heldout_pass_at_1
+from realtime_rl.train.corpus import tasks_per_difficulty
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 EVAL_TASKS = 600
@@ -87,9 +87,9 @@ def smoke_base(run_dir: Path) -> Path:
 
 
 def unseen_train_tasks(base: Path, num_tasks: int, max_difficulty: int, rollout_split: str = "train"
-                       ) -> dict[str, int] | None:
+                       ) -> dict[str, Any] | None:
     """Arguments of heldout_pass_at_1 for num_tasks train-split tasks that pre-training of `base` never
-    generated (it wrote tasks 0 .. ceil(num_tasks / max_difficulty) - 1 of each difficulty, train/corpus.py),
+    generated (it wrote tasks 0 .. n_d - 1 of each difficulty d, corpus.tasks_per_difficulty),
     or None when base has no pretrain.json or the split has too few tasks past those. A base built with
     `reserve_structures` never saw the reserved structures: its second evaluation is of their tasks 0, 1, ...
     of each difficulty, whichever split RL draws (with "train", pre-training cycled through every other
@@ -105,8 +105,11 @@ def unseen_train_tasks(base: Path, num_tasks: int, max_difficulty: int, rollout_
         return {"split": "reserved", "start": 0, "seed": built["seed"]}
     if rollout_split != "train":
         return None
-    start = math.ceil(built["num_tasks"] / built["max_difficulty"])
-    if start + num_tasks > min(split_size("train", d) for d in range(1, max_difficulty + 1)):
+    weights = built.get("difficulty_weights")
+    seen = tasks_per_difficulty(built["num_tasks"], built["max_difficulty"],
+                                tuple(weights) if weights else None)
+    start = {d: seen.get(d, 0) for d in range(1, max_difficulty + 1)}
+    if any(start[d] + num_tasks > split_size("train", d) for d in start):
         return None
     return {"split": "train", "start": start, "seed": built["seed"]}
 

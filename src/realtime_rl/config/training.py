@@ -37,6 +37,9 @@ class PretrainConfig(StrictModel):
     (same expert_fraction), dense in supervised tokens and needing no sandbox."""
     max_difficulty: int = Field(2, ge=1, le=4)
     """Tasks cycle through difficulties 1..max_difficulty."""
+    difficulty_weights: tuple[int, ...] | None = None
+    """Documents per difficulty in each cycle, one weight per difficulty 1..max_difficulty: (1, 7) makes one
+    document in eight a difficulty-1 task. None: one of each, in turn."""
     reserve_structures: bool = False
     """Leave the reserved train structures (synthetic_index.RESERVED_FRACTION of them) out of the corpus, so
     that RL with `rollout.split = "reserved"` practises on structures the base never saw, as held-out ones.
@@ -77,6 +80,15 @@ class PretrainConfig(StrictModel):
     """Continue from the newest checkpoint in run_dir when there is one."""
     threads: int | None = Field(None, ge=1, le=1024)
     """torch threads (None: torch's default)."""
+
+    @model_validator(mode="after")
+    def _weights_per_difficulty(self) -> PretrainConfig:
+        weights = self.difficulty_weights
+        if weights is not None and (len(weights) != self.max_difficulty or min(weights) < 0
+                                    or not any(weights)):
+            raise ValueError(f"difficulty_weights {list(weights)}: give one non-negative count per "
+                             f"difficulty 1..max_difficulty ({self.max_difficulty}), not all 0")
+        return self
 
 
 class RLConfig(StrictModel):

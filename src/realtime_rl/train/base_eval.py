@@ -22,6 +22,7 @@ import math
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,16 @@ EVAL_AGENT = AgentConfig(max_turns=8, max_new_tokens=384, summary_trigger_tokens
 
 
 def heldout_tasks(root: Path, num_tasks: int, max_difficulty: int, seed: int, split: str = "heldout",
-                  start: int = 0) -> list[Task]:
+                  start: int | Mapping[int, int] = 0) -> list[Task]:
     """num_tasks tasks of `split` written under root: indices start, start + 1, ... of each difficulty
-    1..max_difficulty, as evenly as num_tasks allows (lower difficulties take the remainder)."""
+    1..max_difficulty (start: one for all, or {difficulty: start}), as evenly as num_tasks allows (lower
+    difficulties take the remainder)."""
     tasks = []
     for d in range(1, max_difficulty + 1):
         count = num_tasks // max_difficulty + (d <= num_tasks % max_difficulty)
+        first = start if isinstance(start, int) else start.get(d, 0)
         tasks += [load_task(generate_task(i, split, seed, difficulty=d).write(root))
-                  for i in range(start, start + count)]
+                  for i in range(first, first + count)]
     return tasks
 
 
@@ -68,7 +71,7 @@ def _comment_counts(wrong: list[int | None], outcomes: list[Any]) -> dict[str, A
 def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficulty: int = 2, seed: int = 0,
                       top_p: float = 1.0, agent: AgentConfig = EVAL_AGENT,
                       concurrency: int = 16, threads: int | None = None, split: str = "heldout",
-                      start: int = 0) -> dict[str, Any]:
+                      start: int | Mapping[int, int] = 0) -> dict[str, Any]:
     """Run one episode per held-out task with the checkpoint's model and grade it (visible + hidden tests).
     `split` and `start` pick other tasks (fresh train-split ones for a model trained on first turns only);
     episodes sample at agent.temperature.

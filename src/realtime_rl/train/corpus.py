@@ -222,15 +222,32 @@ def renamed(task: SyntheticTask, name: str) -> SyntheticTask:
     return SyntheticTask(task.slug, files, config["rtrl"])
 
 
+def _difficulty_cycle(max_difficulty: int, difficulty_weights: tuple[int, ...] | None) -> list[int]:
+    weights = difficulty_weights or (1,) * max_difficulty
+    return [d for d, weight in enumerate(weights, start=1) for _ in range(weight)]
+
+
+def tasks_per_difficulty(count: int, max_difficulty: int,
+                         difficulty_weights: tuple[int, ...] | None = None) -> dict[int, int]:
+    """How many of synthetic_tasks' first `count` tasks are of each difficulty (so indices 0..n - 1 of
+    difficulty d are what a corpus of `count` documents generated, without reserve_structures)."""
+    cycle = _difficulty_cycle(max_difficulty, difficulty_weights)
+    full, rest = divmod(count, len(cycle))
+    return {d: full * cycle.count(d) + cycle[:rest].count(d) for d in range(1, max_difficulty + 1)}
+
+
 def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0,
-                    reserve_structures: bool = False) -> Iterator[Task]:
-    """Train-split tasks start..start+count-1 (difficulty cycles 1..max_difficulty), in memory; a
-    RENAME_FRACTION of them renamed at random. reserve_structures: skip the reserved structures' tasks
-    (left for RL), cycling through a difficulty's other tasks when they run out."""
+                    reserve_structures: bool = False,
+                    difficulty_weights: tuple[int, ...] | None = None) -> Iterator[Task]:
+    """Train-split tasks start..start+count-1 (difficulty cycles 1..max_difficulty, or takes
+    difficulty_weights[d - 1] tasks of each difficulty d per cycle), in memory; a RENAME_FRACTION of them
+    renamed at random. reserve_structures: skip the reserved structures' tasks (left for RL), cycling through
+    a difficulty's other tasks when they run out."""
+    cycle = _difficulty_cycle(max_difficulty, difficulty_weights)
     indices = {d: unreserved_train_indices(seed, d) if reserve_structures else itertools.count()
                for d in range(1, max_difficulty + 1)}
     for i in range(start + count):
-        difficulty = 1 + i % max_difficulty
+        difficulty = cycle[i % len(cycle)]
         index = next(indices[difficulty])
         if i < start:
             continue
