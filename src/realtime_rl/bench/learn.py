@@ -105,9 +105,7 @@ def unseen_train_tasks(base: Path, num_tasks: int, max_difficulty: int, rollout_
         return {"split": "reserved", "start": 0, "seed": built["seed"]}
     if rollout_split != "train":
         return None
-    weights = built.get("difficulty_weights")
-    seen = tasks_per_difficulty(built["num_tasks"], built["max_difficulty"],
-                                tuple(weights) if weights else None)
+    seen = tasks_per_difficulty(built["num_tasks"], built["max_difficulty"], built.get("difficulty_weights"))
     start = {d: seen.get(d, 0) for d in range(1, max_difficulty + 1)}
     if any(start[d] + num_tasks > split_size("train", d) for d in start):
         return None

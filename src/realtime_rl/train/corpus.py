@@ -33,7 +33,7 @@ import itertools
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,13 +222,13 @@ def renamed(task: SyntheticTask, name: str) -> SyntheticTask:
     return SyntheticTask(task.slug, files, config["rtrl"])
 
 
-def _difficulty_cycle(max_difficulty: int, difficulty_weights: tuple[int, ...] | None) -> list[int]:
+def _difficulty_cycle(max_difficulty: int, difficulty_weights: Sequence[int] | None) -> list[int]:
     weights = difficulty_weights or (1,) * max_difficulty
     return [d for d, weight in enumerate(weights, start=1) for _ in range(weight)]
 
 
 def tasks_per_difficulty(count: int, max_difficulty: int,
-                         difficulty_weights: tuple[int, ...] | None = None) -> dict[int, int]:
+                         difficulty_weights: Sequence[int] | None = None) -> dict[int, int]:
     """How many of synthetic_tasks' first `count` tasks are of each difficulty (so indices 0..n - 1 of
     difficulty d are what a corpus of `count` documents generated, without reserve_structures)."""
     cycle = _difficulty_cycle(max_difficulty, difficulty_weights)
@@ -238,7 +238,7 @@ def tasks_per_difficulty(count: int, max_difficulty: int,
 
 def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0,
                     reserve_structures: bool = False,
-                    difficulty_weights: tuple[int, ...] | None = None) -> Iterator[Task]:
+                    difficulty_weights: Sequence[int] | None = None) -> Iterator[Task]:
     """Train-split tasks start..start+count-1 (difficulty cycles 1..max_difficulty, or takes
     difficulty_weights[d - 1] tasks of each difficulty d per cycle), in memory; a RENAME_FRACTION of them
     renamed at random. reserve_structures: skip the reserved structures' tasks (left for RL), cycling through
