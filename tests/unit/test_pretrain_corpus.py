@@ -84,7 +84,18 @@ def test_difficulty_weights_set_how_many_tasks_of_each_difficulty_a_cycle_takes(
     for bad in ((1,), (1, 2, 3), (0, 0), (1, -1)):
         with pytest.raises(ValueError, match="difficulty_weights"):
             PretrainConfig(difficulty_weights=bad)
-    assert config_hash(PretrainConfig(difficulty_weights=(1, 7))) != config_hash(PretrainConfig())
+    assert config_hash(PretrainConfig(difficulty_weights=None)) != config_hash(PretrainConfig())
+
+
+def test_the_recipes_difficulty_weights_are_for_two_difficulties_and_other_configs_go_round_robin():
+    assert PretrainConfig().difficulty_weights == (1, 7)
+    one = PretrainConfig(max_difficulty=1)  # the demo's base: its hash (and cached model) stays round robin's
+    assert one.difficulty_weights is None
+    assert config_hash(one) == config_hash(PretrainConfig(max_difficulty=1, difficulty_weights=None))
+    assert PretrainConfig(max_difficulty=3).difficulty_weights is None
+    assert PretrainConfig(max_difficulty=3, difficulty_weights=(1, 2, 2)).difficulty_weights == (1, 2, 2)
+    with pytest.raises(ValueError, match="difficulty_weights"):
+        PretrainConfig(max_difficulty=1, difficulty_weights=(1, 7))
 
 
 def test_renamed_tasks_are_the_same_task_under_another_name():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -37,14 +37,17 @@ class PretrainConfig(StrictModel):
     (same expert_fraction), dense in supervised tokens and needing no sandbox."""
     max_difficulty: int = Field(2, ge=1, le=4)
     """Tasks cycle through difficulties 1..max_difficulty."""
-    difficulty_weights: tuple[int, ...] | None = None
-    """Documents per difficulty in each cycle, one weight per difficulty 1..max_difficulty: (1, 7) makes one
-    document in eight a difficulty-1 task. None: one of each, in turn."""
+    difficulty_weights: tuple[int, ...] | None = (1, 7)
+    """Documents per difficulty in each cycle, one weight per difficulty 1..max_difficulty. None: one of each,
+    in turn. The default, (1, 7), makes one document in eight a difficulty-1 task: with one in two, held-out
+    one-stage tasks get a trained one-stage task's step (benchmarks/BENCHMARKS.md, learn, "Fewer difficulty-1
+    documents": held-out pass@1 0.36 against 0.25, three seeds each). It is for max_difficulty 2; left unset,
+    another max_difficulty takes None."""
     reserve_structures: bool = False
     """Leave the reserved train structures (synthetic_index.RESERVED_FRACTION of them) out of the corpus, so
     that RL with `rollout.split = "reserved"` practises on structures the base never saw, as held-out ones.
     Where a difficulty's other tasks run out, the corpus cycles through them: difficulty 1 keeps 5,256 of its 6,912
-    tasks, so the default recipe's 6,500 difficulty-1 documents repeat ~1,250 of them."""
+    tasks (the default recipe's 1,625 difficulty-1 documents fit; round robin's 6,500 would repeat ~1,250)."""
     expert_fraction: float = Field(0.8, ge=0.0, le=1.0)
     """Share of first-turn documents that write the reference solution; the rest write a novice variant."""
     episode_expert_fraction: float = Field(0.3, ge=0.0, le=1.0)
@@ -80,6 +83,17 @@ class PretrainConfig(StrictModel):
     """Continue from the newest checkpoint in run_dir when there is one."""
     threads: int | None = Field(None, ge=1, le=1024)
     """torch threads (None: torch's default)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_weights_fit_max_difficulty(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "difficulty_weights" in data:
+            return data
+        try:
+            max_difficulty = int(data.get("max_difficulty", 2))
+        except (TypeError, ValueError):
+            return data  # the field's own validation says what is wrong
+        return data if max_difficulty == 2 else {**data, "difficulty_weights": None}
 
     @model_validator(mode="after")
     def _weights_per_difficulty(self) -> PretrainConfig:
