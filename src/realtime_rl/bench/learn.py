@@ -71,8 +71,9 @@ other in a 30-minute run (92 of 600; 29% unseeded); at that rate a paired lift o
 significant at 600 tasks, one of 5.4 at 200."""
 TRAIN_STRUCTURE_TASKS = 200
 EVAL_ATTEMPTS = 4
-"""Fresh attempts per held-out episode. On the default base's first 200 seeded held-out tasks (2026-11-27):
-pass@1 0.345 with 1 attempt, 0.625 with 4, 0.675 with 8 (evaluation 1.5, 1.9 and 2.6 minutes)."""
+"""Fresh attempts per held-out episode. On the round-robin base's first 200 seeded held-out tasks (the default
+base until 45d2da1; 2026-11-27): pass@1 0.345 with 1 attempt, 0.625 with 4, 0.675 with 8 (evaluation 1.5, 1.9 and
+2.6 minutes)."""
 
 
 def smoke_base(run_dir: Path) -> Path:
