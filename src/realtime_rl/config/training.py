@@ -93,7 +93,8 @@ class PretrainConfig(StrictModel):
             max_difficulty = int(data.get("max_difficulty", 2))
         except (TypeError, ValueError):
             return data  # the field's own validation says what is wrong
-        return data if max_difficulty == 2 else {**data, "difficulty_weights": None}
+        fits = max_difficulty == len(cls.model_fields["difficulty_weights"].default)
+        return data if fits else {**data, "difficulty_weights": None}
 
     @model_validator(mode="after")
     def _weights_per_difficulty(self) -> PretrainConfig:
