@@ -23,7 +23,8 @@ from realtime_rl.train.corpus import (
     wrong_stage_comment,
 )
 from realtime_rl.train.pretrain import (
-    MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss, prefix_cache,
+    MICRO_BATCH_OVERHEAD_TOKENS, MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss,
+    micro_batches, prefix_cache,
 )
 
 
@@ -298,6 +299,34 @@ def test_batches_replay_from_the_step_and_stay_within_the_token_budget(tmp_path)
     assert all(ids.numel() <= MICRO_BATCH_TOKENS or len(ids) == 1 for ids, _ in a)
     c = batch_for_step(docs, 8, 12, seed=3, pad_id=0, prefix_len=10)
     assert not all(x.shape == y.shape and torch.equal(x, y) for (x, _), (y, _) in zip(a, c))
+
+
+def test_micro_batches_are_the_cheapest_cut_within_the_token_budget():
+    """Every way of cutting sorted rows into consecutive runs, priced as padded tokens plus the per-run overhead:
+    the dynamic programme finds the cheapest that keeps each run of several rows within MICRO_BATCH_TOKENS."""
+    import itertools
+
+    def cost(lengths, runs):
+        return sum((b - a) * lengths[b - 1] + MICRO_BATCH_OVERHEAD_TOKENS for a, b in runs)
+
+    def fits(lengths, runs):
+        return all(b - a == 1 or (b - a) * lengths[b - 1] <= MICRO_BATCH_TOKENS for a, b in runs)
+
+    rng = random.Random(0)
+    for n in (1, 2, 5, 9):
+        for _ in range(20):
+            lengths = sorted(rng.choice([rng.randint(150, 300), rng.randint(400, 1000), 5000]) for _ in range(n))
+            runs = micro_batches(lengths)
+            assert [a for a, _ in runs] == [0] + [b for _, b in runs[:-1]] and runs[-1][1] == n
+            assert fits(lengths, runs)
+            every = []
+            for cuts in itertools.product([False, True], repeat=n - 1):
+                edges = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [n]
+                every.append(list(zip(edges, edges[1:])))
+            assert cost(lengths, runs) == min(cost(lengths, r) for r in every if fits(lengths, r))
+    # Rows of one length stay together; a long row leaves short ones to their own run.
+    assert micro_batches([200] * 8) == [(0, 8)]
+    assert micro_batches([200] * 8 + [900]) == [(0, 8), (8, 9)]
 
 
 def test_config_hash_ignores_where_a_run_goes_but_not_what_it_trains():

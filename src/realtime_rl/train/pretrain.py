@@ -15,8 +15,8 @@ Each step computes that shared prefix's keys and values once, without gradient, 
 suffixes on top of it (model/shared_prefix.py): the suffixes' logits are exactly those of the full
 sequences, the prefix just passes no gradient (it carries no task information, so there is nothing in
 it to learn to read differently). The LM head runs only where a token is trained. The suffixes are
-sorted by length and cut into micro-batches of at most MICRO_BATCH_TOKENS, each padded to its own
-longest, so little compute goes to padding.
+sorted by length and cut where padding would cost more than another micro-batch (`micro_batches`: at most
+MICRO_BATCH_TOKENS each, padded to its own longest), so little compute goes to padding.
 
 Not here: RL (rl.py), data parallelism, mixed precision on CPU.
 """
@@ -51,6 +51,10 @@ from realtime_rl.train.schedule import warmup_cosine
 
 MICRO_BATCH_TOKENS = 4096
 """A step's batch, sorted by length, is cut into micro-batches of at most this many (padded) tokens."""
+MICRO_BATCH_OVERHEAD_TOKENS = 150
+"""What one more micro-batch is taken to cost, in padded tokens. On the default recipe's steps (2 CPU cores) any
+value from 48 to 400 cut the forward and backward by 10-13% against cutting only at MICRO_BATCH_TOKENS (24%
+padding); 100-250 were best and alike (benchmarks/BENCHMARKS.md, pretrain)."""
 TOKENIZER_TASKS = 2000
 """Tasks whose rendered episodes train the tokenizer (more add no merges worth having)."""
 CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "episode_expert_fraction",
@@ -132,11 +136,8 @@ def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, 
     rng = np.random.default_rng([seed, step])
     picks = rng.choice(len(docs), size=batch_size, replace=len(docs) < batch_size)
     picks = sorted(picks.tolist(), key=lambda i: (len(docs[i].token_ids), i))
-    chunks: list[list[int]] = [[]]
-    for i in picks:  # ascending length: a chunk's padded size is its count times its last length
-        if chunks[-1] and (len(chunks[-1]) + 1) * (len(docs[i].token_ids) - prefix_len) > MICRO_BATCH_TOKENS:
-            chunks.append([])
-        chunks[-1].append(i)
+    lengths = [len(docs[i].token_ids) - prefix_len for i in picks]
+    chunks = [picks[a:b] for a, b in micro_batches(lengths)]
     out = []
     for chunk in chunks:
         T = max(len(docs[i].token_ids) for i in chunk) - prefix_len
@@ -148,6 +149,23 @@ def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, 
             mask[b, :n] = torch.from_numpy(docs[i].loss_mask[prefix_len:])
         out.append((ids, mask))
     return out
+
+
+def micro_batches(lengths: list[int]) -> list[tuple[int, int]]:
+    """Cut rows of ascending `lengths` into consecutive runs [a, b), each padded to its last (longest) row,
+    at the least padded tokens plus MICRO_BATCH_OVERHEAD_TOKENS a run, with at most MICRO_BATCH_TOKENS a run
+    unless it is one row. Exact, by dynamic programming over where the last run starts."""
+    best = [0] + [0] * len(lengths)  # best[b]: the least cost of rows [0, b)
+    start = [0] * (len(lengths) + 1)
+    for b in range(1, len(lengths) + 1):
+        options = [(best[a] + (b - a) * lengths[b - 1] + MICRO_BATCH_OVERHEAD_TOKENS, a) for a in range(b)
+                   if a == b - 1 or (b - a) * lengths[b - 1] <= MICRO_BATCH_TOKENS]
+        best[b], start[b] = min(options)
+    runs, b = [], len(lengths)
+    while b:
+        runs.append((start[b], b))
+        b = start[b]
+    return runs[::-1]
 
 
 @torch.no_grad()
