@@ -12,7 +12,7 @@ from realtime_rl.config import RLConfig, RolloutConfig, TrainConfig
 from realtime_rl.engine import Engine
 from realtime_rl.rollout import train
 from realtime_rl.train import RLTrainer
-from realtime_rl.train.rl import MICRO_BATCH_TOKENS, SHARED_RUN_MIN_TOKENS
+from realtime_rl.train.rl import CALL_OVERHEAD_TOKENS, MICRO_BATCH_TOKENS, SHARED_RUN_MIN_TOKENS
 from tests.integration.test_rl_pipeline import AGENT
 from tests.unit.test_rl_trainer import _episodes, _good_mass, _model
 
@@ -25,8 +25,8 @@ pytestmark = [
 def test_bf16_trainer_and_bf16_engine_on_cuda_learn_with_router_replay(tmp_path):
     trainer = RLTrainer(_model(), None, RLConfig(lr=1e-2, device="cuda", dtype="bfloat16"), tmp_path)
     assert next(trainer.model.parameters()).dtype == torch.float32  # fp32 master weights on the GPU
-    assert (trainer.micro_batch_tokens, trainer.shared_run_min_tokens) == (MICRO_BATCH_TOKENS["gpu"],
-                                                                           SHARED_RUN_MIN_TOKENS["gpu"])
+    assert (trainer.micro_batch_tokens, trainer.shared_run_min_tokens, trainer.call_overhead_tokens) == (
+        MICRO_BATCH_TOKENS["gpu"], SHARED_RUN_MIN_TOKENS["gpu"], CALL_OVERHEAD_TOKENS["gpu"])
     engine = Engine(_model().to("cuda", torch.bfloat16), max_batch=32, max_seq_len=64)
     engine.update_weights(trainer.weights(), 0)
     before = _good_mass(trainer.model)

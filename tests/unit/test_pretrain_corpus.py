@@ -22,6 +22,7 @@ from realtime_rl.train.corpus import (
     shared_prefix_length, synthetic_tasks, tasks_per_difficulty, tokenizer_texts, without_docstring,
     wrong_stage_comment,
 )
+from realtime_rl.train.padding import cheapest_cut
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_OVERHEAD_TOKENS, MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss,
     micro_batches, prefix_cache,
@@ -327,6 +328,11 @@ def test_micro_batches_are_the_cheapest_cut_within_the_token_budget():
     # Rows of one length stay together; a long row leaves short ones to their own run.
     assert micro_batches([200] * 8) == [(0, 8)]
     assert micro_batches([200] * 8 + [900]) == [(0, 8), (8, 9)]
+    # Without a token budget (the RL trainer's calls within a micro-batch), and only for sorted rows.
+    assert cheapest_cut([100] * 50 + [101], overhead=150) == [(0, 51)]
+    assert cheapest_cut([100] * 50 + [400], overhead=150) == [(0, 50), (50, 51)]
+    with pytest.raises(ValueError, match="ascending"):
+        cheapest_cut([300, 200], overhead=150)
 
 
 def test_config_hash_ignores_where_a_run_goes_but_not_what_it_trains():

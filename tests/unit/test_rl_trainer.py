@@ -17,6 +17,7 @@ from realtime_rl.model import Qwen3ForCausalLM
 from realtime_rl.rollout import StalenessBuffer, TrajectoryLog
 from realtime_rl.train import RLTrainer
 from realtime_rl.train.rl import (
+    CALL_OVERHEAD_TOKENS,
     CONSUMED_VERSIONS,
     MICRO_BATCH_TOKENS,
     SHARED_RUN_MIN_TOKENS,
@@ -188,7 +189,7 @@ def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, sy
     batch = trainer._batch(packed)
     assert batch.prefix == len(system)
     # One forward per group, continuing its prompt but the last token; one for the lone rows, continuing the prefix.
-    assert sorted((len(rows), q) for rows, q, _ in batch.calls) == sorted([(3, len(system) + 19), (3, len(system) + 23),
+    assert sorted((len(rows), q) for rows, q, _, _ in batch.calls) == sorted([(3, len(system) + 19), (3, len(system) + 23),
                                                                           (2, len(system))])
     # Computed: the system prompt once, each group's rest of its prompt once (19, 23 inputs); then each row from
     # where its forward starts to its forward's longest row (groups: 5 and 6 inputs; lone rows: 21 + 4 - 1).
@@ -199,10 +200,23 @@ def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, sy
     torch.testing.assert_close(lp_shared, batch.behaviour, atol=1e-5, rtol=0)  # the engine's, under replay
     for g, h in zip(grads_shared, grads_separate):
         torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-3)
-    # A GPU's default: no group's prompt is worth a forward call of its own; every row continues the prefix.
+    # Calls at no cost: each run's rows cut by length, so no row is padded; each group's prompt still runs once.
+    trainer.call_overhead_tokens = 0
+    cut = trainer._batch(packed)
+    q_of = {b: q for rows, q, _, _ in batch.calls for b in rows}
+    assert len(cut.calls) > len(batch.calls) and sum(first for *_, first in cut.calls) == len(batch.calls)
+    assert cut.positions[0] == len(system) + 19 + 23 + sum(len(seg.token_ids) - 1 - q_of[b]
+                                                           for b, (seg, _) in enumerate(packed))
+    lp_cut, grads_cut = _logprobs_and_grads(trainer, [cut])
+    torch.testing.assert_close(lp_cut, lp_separate, atol=1e-5, rtol=0)
+    for g, h in zip(grads_cut, grads_separate):
+        torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-3)
+    # A GPU's defaults: no group's prompt is worth a forward call of its own, nor is padding; every row continues
+    # the prefix in one call.
     trainer.shared_run_min_tokens = SHARED_RUN_MIN_TOKENS["gpu"]
+    trainer.call_overhead_tokens = CALL_OVERHEAD_TOKENS["gpu"]
     flat = trainer._batch(packed)
-    assert [(len(rows), q) for rows, q, _ in flat.calls] == [(8, len(system))]
+    assert [(len(rows), q) for rows, q, _, _ in flat.calls] == [(8, len(system))]
     lp_flat, grads_flat = _logprobs_and_grads(trainer, [flat])
     torch.testing.assert_close(lp_flat, lp_separate, atol=1e-5, rtol=0)
     for g, h in zip(grads_flat, grads_separate):
@@ -261,10 +275,11 @@ def test_a_recorded_routing_naming_a_missing_expert_is_refused_on_the_host(tmp_p
 
 def test_micro_batch_size_and_shared_runs_default_by_device(tmp_path):
     trainer = RLTrainer(_model(), None, RLConfig(), tmp_path / "cpu")
-    assert (trainer.micro_batch_tokens, trainer.shared_run_min_tokens) == (8192, 16)
-    assert (MICRO_BATCH_TOKENS["cpu"], SHARED_RUN_MIN_TOKENS["cpu"]) == (8192, 16)
-    chosen = RLTrainer(_model(), None, RLConfig(micro_batch_tokens=512, shared_run_min_tokens=4), tmp_path / "set")
-    assert (chosen.micro_batch_tokens, chosen.shared_run_min_tokens) == (512, 4)
+    assert (trainer.micro_batch_tokens, trainer.shared_run_min_tokens, trainer.call_overhead_tokens) == (8192, 16, 150)
+    assert (MICRO_BATCH_TOKENS["cpu"], SHARED_RUN_MIN_TOKENS["cpu"], CALL_OVERHEAD_TOKENS["cpu"]) == (8192, 16, 150)
+    chosen = RLTrainer(_model(), None, RLConfig(micro_batch_tokens=512, shared_run_min_tokens=4,
+                                                call_overhead_tokens=0), tmp_path / "set")
+    assert (chosen.micro_batch_tokens, chosen.shared_run_min_tokens, chosen.call_overhead_tokens) == (512, 4, 0)
 
 
 def test_each_segment_trains_with_the_episode_advantage(tmp_path):

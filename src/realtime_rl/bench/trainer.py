@@ -262,6 +262,7 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "ours_micro_batches": metrics.get("train/micro_batches"),
         "ours_micro_batch_tokens": ours.micro_batch_tokens,  # rl's, or the device's default
         "ours_shared_run_min_tokens": ours.shared_run_min_tokens,
+        "ours_call_overhead_tokens": ours.call_overhead_tokens,
         "episodes": len(batch),
         "trained_tokens": trained,
         "tokens": tokens,

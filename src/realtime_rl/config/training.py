@@ -171,6 +171,10 @@ class RLConfig(StrictModel):
     """Leading inputs adjacent rows (a GRPO group's) must share beyond their micro-batch's prefix for the
     forward to compute them once for the run, at the cost of one more forward call per run. Unset: 16 on CPU,
     where positions cost more than calls; on a GPU, never (train/rl.py)."""
+    call_overhead_tokens: int | None = Field(None, ge=0)
+    """What one more forward call is taken to cost, in padded positions: a run's rows (a GRPO group's replies)
+    are sorted by length and cut into calls that share the run's prompt where that saves more padding. Unset:
+    150 on CPU; on a GPU, never cut (train/rl.py)."""
     malformed_penalty: float = Field(0.0, ge=0.0, le=10.0)
     """Subtracted from an episode's reward per malformed tool call."""
     device: str = Field("cpu", pattern=DEVICE_PATTERN)

@@ -47,6 +47,7 @@ from realtime_rl.train.corpus import (
     CORPUS_FORMAT, Document, build_documents, build_followup_documents, build_write_documents, shared_prefix_length,
     synthetic_tasks, tokenizer_texts,
 )
+from realtime_rl.train.padding import cheapest_cut
 from realtime_rl.train.schedule import warmup_cosine
 
 MICRO_BATCH_TOKENS = 4096
@@ -152,20 +153,9 @@ def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, 
 
 
 def micro_batches(lengths: list[int]) -> list[tuple[int, int]]:
-    """Cut rows of ascending `lengths` into consecutive runs [a, b), each padded to its last (longest) row,
-    at the least padded tokens plus MICRO_BATCH_OVERHEAD_TOKENS a run, with at most MICRO_BATCH_TOKENS a run
-    unless it is one row. Exact, by dynamic programming over where the last run starts."""
-    best = [0] + [0] * len(lengths)  # best[b]: the least cost of rows [0, b)
-    start = [0] * (len(lengths) + 1)
-    for b in range(1, len(lengths) + 1):
-        options = [(best[a] + (b - a) * lengths[b - 1] + MICRO_BATCH_OVERHEAD_TOKENS, a) for a in range(b)
-                   if a == b - 1 or (b - a) * lengths[b - 1] <= MICRO_BATCH_TOKENS]
-        best[b], start[b] = min(options)
-    runs, b = [], len(lengths)
-    while b:
-        runs.append((start[b], b))
-        b = start[b]
-    return runs[::-1]
+    """A step's rows of ascending `lengths` cut into micro-batches [a, b): padding against
+    MICRO_BATCH_OVERHEAD_TOKENS a micro-batch, at most MICRO_BATCH_TOKENS each unless one row."""
+    return cheapest_cut(lengths, MICRO_BATCH_OVERHEAD_TOKENS, MICRO_BATCH_TOKENS)
 
 
 @torch.no_grad()

@@ -15,6 +15,8 @@ micro-batch's rows share (the system prompt and tool schemas every reply of the 
 with the same recorded routing) run once, with grad, and every row attends to them
 (model/shared_prefix.py); so, on CPU by default (`shared_run_min_tokens`), does the rest of the prompt
 that a run of adjacent rows shares (a GRPO group's task): the gradient is that of the separate rows.
+A run's rows, sorted by length, go through as many calls over its prompt as pay for the padding they save
+(`call_overhead_tokens`, train/padding.py): replies of one group differ in length by several times.
 The LM head and softmax run only where a token is trained. The proximal policy is the current
 weights: with one minibatch and one epoch it equals the policy being optimised at the forward, so no
 extra pass is needed; otherwise a no-grad pass computes it first.
@@ -55,6 +57,7 @@ from realtime_rl.model import (
 from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, length_normalized, policy_loss
+from realtime_rl.train.padding import cheapest_cut
 from realtime_rl.train.schedule import warmup_cosine
 from realtime_rl.types import Episode, Segment
 
@@ -73,6 +76,10 @@ let `step` refuse an episode given again a few steps later."""
 # benefits from shared runs (its positions cost compute), so set both there.
 MICRO_BATCH_TOKENS = {"cpu": 8192, "gpu": 65536}
 SHARED_RUN_MIN_TOKENS = {"cpu": 16, "gpu": sys.maxsize}
+# rl.call_overhead_tokens when unset: on CPU a forward call's fixed cost is about that of 150 padded positions (as
+# pre-training measured its micro-batches), so a group whose replies differ in length runs as a few calls of
+# similar lengths; on a GPU, where the step is bound by calls, a group stays one call.
+CALL_OVERHEAD_TOKENS = {"cpu": 150, "gpu": sys.maxsize}
 
 
 def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
@@ -144,10 +151,11 @@ class _MicroBatch:
     routing_BTLK: torch.Tensor | None
     prefix: int
     """Leading input positions every row shares (computed once)."""
-    calls: list[tuple[list[int], int, int]]
-    """The forwards that continue the prefix, as (rows, their shared inputs, their longest row's inputs): one per
-    run of adjacent rows sharing more than `prefix` leading inputs (a GRPO group's prompt, whose rest is then
-    computed once), and one for every other row, continuing `prefix` alone."""
+    calls: list[tuple[list[int], int, int, bool]]
+    """The forwards that continue the prefix, as (rows, their shared inputs, their longest row's inputs, whether the
+    call starts a run): per run of adjacent rows sharing more than `prefix` leading inputs (a GRPO group's prompt,
+    whose rest is computed once, by the run's first call), and for every other row, continuing `prefix` alone; a
+    run's rows sorted by length and cut into calls where padding costs more than a call (`call_overhead_tokens`)."""
     trained_at: list[torch.Tensor]
     """Per call, where its output holds the positions whose next token is trained: flat indices over its rows x
     positions, row by row (found on the host, so the forward reads nothing back from the device)."""
@@ -165,7 +173,8 @@ class _MicroBatch:
     def positions(self) -> tuple[int, int]:
         """Input positions the forward computes (each shared prefix once), and in the padded rows."""
         B, T = self.ids_BT.shape
-        computed = self.prefix + sum(q - self.prefix + len(rows) * (width - q) for rows, q, width in self.calls)
+        computed = self.prefix + sum((q - self.prefix) * first + len(rows) * (width - q)
+                                     for rows, q, width, first in self.calls)
         return computed, B * T
 
 
@@ -207,6 +216,8 @@ class RLTrainer:
                                    else config.micro_batch_tokens)
         self.shared_run_min_tokens = (SHARED_RUN_MIN_TOKENS[kind] if config.shared_run_min_tokens is None
                                       else config.shared_run_min_tokens)
+        self.call_overhead_tokens = (CALL_OVERHEAD_TOKENS[kind] if config.call_overhead_tokens is None
+                                     else config.call_overhead_tokens)
         self._route_dtype = routing_dtype(max(1, model.config.num_experts))
         self._replays = bool(config.router_replay and model.num_moe_layers)
 
@@ -414,10 +425,19 @@ class RLTrainer:
             runs.append(([b], len(seg.token_ids)))
         alone = [b for members, _ in runs if len(members) == 1 for b in members]
         calls = [(members, q) for members, q in runs if len(members) > 1] + ([(alone, prefix)] if alone else [])
-        calls = [(rows, q, max(len(micro[b][0].token_ids) - 1 for b in rows)) for rows, q in calls]
+        cut = []
+        for members, q in calls:  # each run's rows by length, cut where padding costs more than another call
+            by_length = sorted(members, key=lambda b: len(micro[b][0].token_ids))
+            widths = [len(micro[b][0].token_ids) - 1 for b in by_length]
+            pieces = cheapest_cut([w - q for w in widths], self.call_overhead_tokens)
+            if len(pieces) == 1:  # one call: the rows keep their order (a slice of the batch where contiguous)
+                cut.append((members, q, widths[-1], True))
+                continue
+            cut += [(by_length[a:z], q, widths[z - 1], i == 0) for i, (a, z) in enumerate(pieces)]
+        calls = cut
         arrays = (targets, behaviour, advantages, fresh, temperature)
         dev = self.device
-        trained_at = [torch.nonzero(where[rows, q:width].flatten())[:, 0].to(dev) for rows, q, width in calls]
+        trained_at = [torch.nonzero(where[rows, q:width].flatten())[:, 0].to(dev) for rows, q, width, _ in calls]
         return _MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, calls, trained_at,
                            *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays), rows)
 
@@ -444,11 +464,13 @@ class RLTrainer:
             if P:
                 shared = SharedPrefix()
                 forward([0], 0, P, shared)
-            for (rows, q, width), at in zip(batch.calls, batch.trained_at):
-                prefix = shared
-                if q > P:
-                    prefix = SharedPrefix() if shared is None else shared.extended()
-                    forward(rows[:1], P, q, prefix)
+            prefix = shared
+            for (rows, q, width, first), at in zip(batch.calls, batch.trained_at):
+                if first:  # a run's prompt beyond the shared prefix, computed once for its calls
+                    prefix = shared
+                    if q > P:
+                        prefix = SharedPrefix() if shared is None else shared.extended()
+                        forward(rows[:1], P, q, prefix)
                 hidden_NC = forward(rows, q, width, prefix).flatten(0, 1)[at]
                 for b, states in zip(rows, hidden_NC.split([batch.rows[b] for b in rows])):
                     trained[b] = states
