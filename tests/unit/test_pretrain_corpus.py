@@ -22,7 +22,7 @@ from realtime_rl.train.corpus import (
     shared_prefix_length, synthetic_tasks, tasks_per_difficulty, tokenizer_texts, without_docstring,
     wrong_stage_comment,
 )
-from realtime_rl.train.padding import cheapest_cut
+from realtime_rl.train.packing import cheapest_cut
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_OVERHEAD_TOKENS, MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss,
     micro_batches, prefix_cache,

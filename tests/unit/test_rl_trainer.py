@@ -16,13 +16,13 @@ from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM
 from realtime_rl.rollout import StalenessBuffer, TrajectoryLog
 from realtime_rl.train import RLTrainer
+from realtime_rl.train.packing import pack_micro_batches
 from realtime_rl.train.rl import (
     CALL_OVERHEAD_TOKENS,
     CONSUMED_VERSIONS,
     MICRO_BATCH_TOKENS,
     SHARED_RUN_MIN_TOKENS,
     STATE_FILE,
-    _micro_batches,
 )
 from realtime_rl.types import Episode, Segment, episode_from_bytes, episode_to_bytes
 from tests.conftest import tiny_config
@@ -146,7 +146,7 @@ def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_r
     # behind 7 shared positions, so the row that routed differently is packed apart.
     longest = max(len(s.token_ids) for s, _ in micro) - 1
     budget = shared.prefix + len(micro) * (longest - shared.prefix)
-    packed = _micro_batches(micro, budget, by_version=True)
+    packed = pack_micro_batches(micro, budget, by_version=True)
     assert len(packed) > 1 and all(trainer._batch(b).positions[0] <= budget for b in packed)
 
     # Rows another version generated routed the prompt its own way: they are packed apart, each batch keeping
@@ -154,9 +154,9 @@ def test_a_shared_prompt_runs_once_with_the_logprobs_and_gradients_of_separate_r
     micro[2][0].routing[7, 0] = (micro[2][0].routing[7, 0] - 1) % model.config.num_experts
     micro[1][0].versions[len(prompt):] = 1
     micro[3][0].versions[len(prompt):] = 1
-    batches = _micro_batches(micro, 8192, by_version=True)
+    batches = pack_micro_batches(micro, 8192, by_version=True)
     assert [sorted(int(s.versions[-1]) for s, _ in b) for b in batches] == [[0, 0], [1, 1]]
-    assert len(_micro_batches(micro, 8192)) == 1
+    assert len(pack_micro_batches(micro, 8192)) == 1
 
 
 @pytest.mark.parametrize("system_len", [20, 0])
@@ -185,7 +185,7 @@ def test_each_group_prompt_runs_once_after_the_shared_system_prompt(tmp_path, sy
                 routing=np.concatenate([s.routing[: n + k - 1], np.zeros_like(s.routing[:1])])),
                 1.0 - 0.5 * s.index + g))
     random.Random(0).shuffle(micro)
-    [packed] = _micro_batches(micro, 8192, by_version=True)
+    [packed] = pack_micro_batches(micro, 8192, by_version=True)
     batch = trainer._batch(packed)
     assert batch.prefix == len(system)
     # One forward per group, continuing its prompt but the last token; one for the lone rows, continuing the prefix.

@@ -47,7 +47,7 @@ from realtime_rl.train.corpus import (
     CORPUS_FORMAT, Document, build_documents, build_followup_documents, build_write_documents, shared_prefix_length,
     synthetic_tasks, tokenizer_texts,
 )
-from realtime_rl.train.padding import cheapest_cut
+from realtime_rl.train.packing import cheapest_cut
 from realtime_rl.train.schedule import warmup_cosine
 
 MICRO_BATCH_TOKENS = 4096
