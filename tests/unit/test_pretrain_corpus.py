@@ -15,6 +15,7 @@ import torch
 from realtime_rl.config import ModelConfig, PretrainConfig, load_config
 from realtime_rl.environments import generate_task, load_task
 from realtime_rl.environments.synthetic import reserved_structure, structure_split, task_set
+from realtime_rl.environments.synthetic_ops import structure_name, structures
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
 from realtime_rl.train.corpus import (
@@ -87,6 +88,21 @@ def test_difficulty_weights_set_how_many_tasks_of_each_difficulty_a_cycle_takes(
         with pytest.raises(ValueError, match="difficulty_weights"):
             PretrainConfig(difficulty_weights=bad)
     assert config_hash(PretrainConfig(difficulty_weights=None)) != config_hash(PretrainConfig())
+
+
+def test_a_corpus_that_excludes_held_out_parts_skips_only_the_longer_structures_that_hold_them():
+    held_out = {structure_name(ops) for ops in structures() if structure_split(structure_name(ops)) == "heldout"}
+    tasks = list(synthetic_tasks(60, max_difficulty=3, seed=0, exclude_heldout_parts=True))
+    plain = list(synthetic_tasks(60, max_difficulty=3, seed=0))
+    for task, other in zip(tasks, plain):
+        if task.metadata["difficulty"] < 3:
+            assert task.task_id == other.task_id  # one- and two-stage tasks are the same
+        else:
+            stages = task.metadata["structure"].split(" -> ")
+            assert not held_out & {" -> ".join(stages[:2]), " -> ".join(stages[1:])}
+    assert [t.task_id for t in tasks] != [t.task_id for t in plain]  # some three-stage tasks were skipped
+    assert config_hash(PretrainConfig()) == config_hash(PretrainConfig(exclude_heldout_parts=False))
+    assert config_hash(PretrainConfig()) != config_hash(PretrainConfig(exclude_heldout_parts=True))
 
 
 def test_the_recipes_difficulty_weights_are_for_two_difficulties_and_other_configs_go_round_robin():

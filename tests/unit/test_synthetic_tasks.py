@@ -17,8 +17,8 @@ import pytest
 from realtime_rl.environments import load_task, load_tasks
 from realtime_rl.environments.synthetic import (
     BUG_KINDS, HELDOUT_FRACTION, RESERVED_FRACTION, SPLITS, SyntheticTask, count_distinct_programs,
-    count_distinct_tasks, generate_task, generate_tasks, reserved_structure, split_size, structure_split, task_set,
-    unreserved_train_indices,
+    count_distinct_tasks, generate_task, generate_tasks, holds_heldout_part, reserved_structure, split_size,
+    structure_split, task_set, train_indices, unreserved_train_indices,
 )
 from realtime_rl.environments.synthetic_ops import structure_name, structures
 
@@ -240,3 +240,33 @@ def test_reserved_structures_are_a_stable_share_of_train_and_a_task_set_of_their
     assert len(set(first[:kept])) == kept and first[kept:] == first[:2]  # every other task once, then again
     assert not any(reserved_structure(generate_task(i, "train", difficulty=1).metadata["structure"])
                    for i in first[:50])
+
+
+def test_a_held_out_part_is_a_held_out_structure_of_two_or_more_consecutive_stages_short_of_the_whole():
+    by_name = {structure_name(ops): ops for ops in structures()}
+    pairs = {name for name, ops in by_name.items() if len(ops) == 2 and structure_split(name) == "heldout"}
+    for ops in by_name.values():
+        if len(ops) <= 2:
+            assert not holds_heldout_part(ops)  # a held-out pair is held out, not a part of itself
+        elif len(ops) == 3:
+            assert holds_heldout_part(ops) == bool(pairs & {structure_name(ops[:2]), structure_name(ops[1:])})
+    three = [ops for name, ops in by_name.items() if len(ops) == 3 and structure_split(name) == "train"]
+    assert 0.1 < sum(map(holds_heldout_part, three)) / len(three) < 0.3  # 1,205 of 6,115
+
+
+def test_train_indices_skip_structures_with_held_out_parts_and_leave_lower_difficulties_alone():
+    for difficulty in (1, 2):
+        plain = train_indices(seed=0, difficulty=difficulty, skip_heldout_parts=True)
+        assert [next(plain) for _ in range(20)] == list(range(20))
+    pairs_held_out = {structure_name(ops) for ops in structures()
+                      if len(ops) == 2 and structure_split(structure_name(ops)) == "heldout"}
+    kept = train_indices(seed=0, difficulty=3, skip_heldout_parts=True)
+    first = [next(kept) for _ in range(60)]
+    assert first == sorted(set(first)) and first[-1] > 59  # in order, some skipped
+    for i in range(first[-1] + 1):
+        ops = generate_task(i, "train", seed=0, difficulty=3).metadata["structure"].split(" -> ")
+        pairs = [" -> ".join(ops[:2]), " -> ".join(ops[1:])]
+        assert (i in first) == (not pairs_held_out & set(pairs))
+    both = train_indices(seed=0, difficulty=3, skip_reserved=True, skip_heldout_parts=True)
+    assert not any(reserved_structure(generate_task(i, "train", difficulty=3).metadata["structure"])
+                   for i in [next(both) for _ in range(30)])

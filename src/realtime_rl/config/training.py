@@ -48,6 +48,11 @@ class PretrainConfig(StrictModel):
     that RL with `rollout.split = "reserved"` practises on structures the base never saw, as held-out ones.
     Where a difficulty's other tasks run out, the corpus cycles through them: difficulty 1 keeps 5,256 of its 6,912
     tasks (the default recipe's 1,625 difficulty-1 documents fit; round robin's 6,500 would repeat ~1,250)."""
+    exclude_heldout_parts: bool = False
+    """Leave out the train structures that hold a held-out structure as consecutive stages (difficulty 3 and up:
+    90 of the 91 held-out two-stage structures are two stages of some train three-stage one), so that a corpus
+    with max_difficulty 3 does not show the model held-out pairs (benchmarks/BENCHMARKS.md, pretrain, "Weight
+    decay 0.1, and three-stage documents": such a corpus lifted held-out two-stage tasks by that exposure)."""
     expert_fraction: float = Field(0.8, ge=0.0, le=1.0)
     """Share of first-turn documents that write the reference solution; the rest write a novice variant."""
     episode_expert_fraction: float = Field(0.3, ge=0.0, le=1.0)

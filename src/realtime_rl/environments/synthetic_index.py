@@ -11,7 +11,9 @@ A structure (`filter:gt -> map:mul -> reduce:sum`) is held out when the sha256 o
 HELDOUT_FRACTION: no held-out program shape is ever generated for training, whatever its constants.
 "reserved" names a fixed RESERVED_FRACTION of the train structures (another hash of the name): a
 pre-training that leaves them out (`PretrainConfig.reserve_structures`) lets RL practise on structures
-the base never saw, as the held-out ones, without touching the held-out split.
+the base never saw, as the held-out ones, without touching the held-out split. A longer train structure
+may hold a held-out one as consecutive stages (`holds_heldout_part`: 1,205 of the 6,115 train three-stage
+structures hold a held-out pair); `PretrainConfig.exclude_heldout_parts` leaves those out of pre-training.
 
 This module only counts and picks; it renders nothing (synthetic.py does).
 """
@@ -120,11 +122,39 @@ def split_size(split: Split = "train", difficulty: int | None = None) -> int:
 
 def unreserved_train_indices(seed: int, difficulty: int) -> Iterator[int]:
     """The train indices of one difficulty whose structure is not reserved, in order, cycling at the end."""
-    size = split_size("train", difficulty)
-    if split_size("reserved", difficulty) == size:
-        raise ValueError(f"every train structure of difficulty {difficulty} is reserved")
-    for i in itertools.cycle(range(size)):
-        if not reserved_structure(structure_name(pick(i, "train", seed, difficulty).ops)):
+    return train_indices(seed, difficulty, skip_reserved=True)
+
+
+@functools.cache
+def _heldout_names() -> frozenset[str]:
+    return frozenset(name for name in map(structure_name, structures()) if structure_split(name) == "heldout")
+
+
+def holds_heldout_part(ops: tuple[Op, ...]) -> bool:
+    """True when two or more consecutive stages of `ops`, short of all of them, are a held-out structure: a
+    three-stage program whose first two stages are a held-out pair shows the model that pair."""
+    return any(structure_name(ops[i:j]) in _heldout_names()
+               for i in range(len(ops)) for j in range(i + 2, len(ops) + 1) if j - i < len(ops))
+
+
+def train_indices(seed: int, difficulty: int, skip_reserved: bool = False,
+                  skip_heldout_parts: bool = False) -> Iterator[int]:
+    """The train indices of one difficulty, in order: all of them (0, 1, ...) unless a skip is set; then
+    those whose structure is not reserved (skip_reserved) and holds no held-out part (skip_heldout_parts,
+    holds_heldout_part), cycling at the end."""
+    if not (skip_reserved or skip_heldout_parts):
+        yield from itertools.count()
+        return
+
+    def kept(ops: tuple[Op, ...]) -> bool:
+        return not ((skip_reserved and reserved_structure(structure_name(ops)))
+                    or (skip_heldout_parts and holds_heldout_part(ops)))
+
+    if not any(kept(ops) for ops in structures()
+               if len(ops) == difficulty and structure_split(structure_name(ops)) == "train"):
+        raise ValueError(f"every train structure of difficulty {difficulty} is skipped")
+    for i in itertools.cycle(range(split_size("train", difficulty))):
+        if kept(pick(i, "train", seed, difficulty).ops):
             yield i
 
 

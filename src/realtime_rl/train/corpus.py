@@ -24,7 +24,8 @@ Solutions are written without the stub's docstring (it restates the instructions
 that no test checks). The loss mask marks the assistant tokens, so pre-training learns to act, not to
 predict observations. The expert fraction sets how good the base model is: RL later sharpens it toward
 the expert. Only the train split is used; held-out structures never appear, nor the reserved ones where
-`reserve_structures` keeps them for RL.
+`reserve_structures` keeps them for RL, nor, with `exclude_heldout_parts`, a longer structure that holds a
+held-out one as consecutive stages.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from realtime_rl.config import AgentConfig
 from realtime_rl.environments import SyntheticTask, WarmPool, generate_task, run_episode
 from realtime_rl.environments.agent_loop import first_turn_messages
 from realtime_rl.environments.policies import ScriptedPolicy
-from realtime_rl.environments.synthetic import unreserved_train_indices
+from realtime_rl.environments.synthetic import train_indices
 from realtime_rl.environments.synthetic_ops import NAME_STYLES, OPS
 from realtime_rl.environments.tasks import Task
 from realtime_rl.environments.tools import QUESTION_TOOL, TOOL_SCHEMAS, Tools, Workspace
@@ -238,13 +239,16 @@ def tasks_per_difficulty(count: int, max_difficulty: int,
 
 def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0,
                     reserve_structures: bool = False,
-                    difficulty_weights: Sequence[int] | None = None) -> Iterator[Task]:
+                    difficulty_weights: Sequence[int] | None = None,
+                    exclude_heldout_parts: bool = False) -> Iterator[Task]:
     """Train-split tasks start..start+count-1 (difficulty cycles 1..max_difficulty, or takes
     difficulty_weights[d - 1] tasks of each difficulty d per cycle), in memory; a RENAME_FRACTION of them
-    renamed at random. reserve_structures: skip the reserved structures' tasks (left for RL), cycling through
-    a difficulty's other tasks when they run out."""
+    renamed at random. reserve_structures: skip the reserved structures' tasks (left for RL);
+    exclude_heldout_parts: skip the tasks whose structure holds a held-out structure as consecutive stages
+    (synthetic_index.holds_heldout_part; difficulty 3 and up); either cycles through a difficulty's other
+    tasks when they run out."""
     cycle = _difficulty_cycle(max_difficulty, difficulty_weights)
-    indices = {d: unreserved_train_indices(seed, d) if reserve_structures else itertools.count()
+    indices = {d: train_indices(seed, d, skip_reserved=reserve_structures, skip_heldout_parts=exclude_heldout_parts)
                for d in range(1, max_difficulty + 1)}
     for i in range(start + count):
         difficulty = cycle[i % len(cycle)]

@@ -60,10 +60,10 @@ TOKENIZER_TASKS = 2000
 """Tasks whose rendered episodes train the tokenizer (more add no merges worth having)."""
 CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "episode_expert_fraction",
                  "fix_rate", "question_fraction", "followup_fraction", "tokenizer", "reserve_structures",
-                 "difficulty_weights")
+                 "difficulty_weights", "exclude_heldout_parts")
 RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
 """Fields that do not change the weights a run ends with."""
-LATER_FIELDS = {"reserve_structures": False, "difficulty_weights": None}
+LATER_FIELDS = {"reserve_structures": False, "difficulty_weights": None, "exclude_heldout_parts": False}
 """Fields added after bases were cached, with the value that builds what came before them: hashed only at
 another value, so those bases and corpora keep their hashes."""
 
@@ -104,7 +104,8 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
     rng = random.Random(config.seed)
     tasks = list(synthetic_tasks(config.num_tasks, config.max_difficulty, config.seed,
                                  reserve_structures=config.reserve_structures,
-                                 difficulty_weights=config.difficulty_weights))
+                                 difficulty_weights=config.difficulty_weights,
+                                 exclude_heldout_parts=config.exclude_heldout_parts))
     episodes = max(1, round(config.episode_fraction * len(tasks))) if config.episode_fraction > 0 else 0
     tokenizer = Tokenizer.train(tokenizer_texts(tasks[:TOKENIZER_TASKS], rng), vocab_size=config.tokenizer.vocab_size)
     with WarmPool(SandboxConfig(pool_size=2)) as pool:
