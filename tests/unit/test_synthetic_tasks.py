@@ -18,7 +18,7 @@ from realtime_rl.environments import load_task, load_tasks
 from realtime_rl.environments.synthetic import (
     BUG_KINDS, HELDOUT_FRACTION, RESERVED_FRACTION, SPLITS, SyntheticTask, count_distinct_programs,
     count_distinct_tasks, generate_task, generate_tasks, holds_heldout_part, reserved_structure, split_size,
-    structure_split, task_set, train_indices, unreserved_train_indices,
+    structure_split, task_set, train_indices,
 )
 from realtime_rl.environments.synthetic_ops import structure_name, structures
 
@@ -234,7 +234,7 @@ def test_reserved_structures_are_a_stable_share_of_train_and_a_task_set_of_their
         for index in range(100):
             structure = generate_task(index, "reserved", seed=2, difficulty=difficulty).metadata["structure"]
             assert task_set(structure) == "reserved" and structure_split(structure) == "train"
-    other = unreserved_train_indices(seed=0, difficulty=1)
+    other = train_indices(seed=0, difficulty=1, skip_reserved=True)
     kept = split_size("train", 1) - split_size("reserved", 1)
     first = [next(other) for _ in range(kept + 2)]
     assert len(set(first[:kept])) == kept and first[kept:] == first[:2]  # every other task once, then again

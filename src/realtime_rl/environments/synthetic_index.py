@@ -120,11 +120,6 @@ def split_size(split: Split = "train", difficulty: int | None = None) -> int:
     return sum(_pools(split)[key].programs for key in _pool_keys(difficulty)) * SURFACES
 
 
-def unreserved_train_indices(seed: int, difficulty: int) -> Iterator[int]:
-    """The train indices of one difficulty whose structure is not reserved, in order, cycling at the end."""
-    return train_indices(seed, difficulty, skip_reserved=True)
-
-
 @functools.cache
 def _heldout_names() -> frozenset[str]:
     return frozenset(name for name in map(structure_name, structures()) if structure_split(name) == "heldout")
