@@ -608,25 +608,19 @@ def test_the_grpo_batch_benchmark_times_both_ways(moe):
     assert m["grpo_cascade_speedup"] == pytest.approx(m["grpo_copied_s"] / m["grpo_shared_s"])
 
 
-@pytest.mark.slow
-def test_the_compiled_decode_step_changes_nothing_and_survives_swaps(moe):
-    """compile_decode: the same tokens, logprobs, routing and versions as the eager engine, for one row and
-    for ragged batches, greedy and sampled, across a hot weight swap (which must not recompile)."""
-    import torch._dynamo
-
-    ps = prompts(5, 11, 3, 8, 1)
+def _ragged_runs_across_a_swap(model, engines, ps):
+    """Each engine (built by engines(), in turn, on the shared model): one row, then a ragged batch of greedy,
+    sampled and short requests, then a request across a hot swap; the model is restored after each. Returns
+    each engine's outputs and the engines."""
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=3, n=2, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)  # frees a slot mid-batch: scattered
-    params = [GREEDY, sampled, short, sampled]
+    params = ([GREEDY, sampled, short, sampled] + [GREEDY] * len(ps))[: len(ps) - 1]
     new_state = {k: v + 0.05 * torch.randn_like(v, generator=torch.Generator().manual_seed(1))
-                 for k, v in moe.state_dict().items()}
-    original = {k: v.clone() for k, v in moe.state_dict().items()}
-    torch._dynamo.reset()
-    results = []
-    for compiled in (False, True):
-        engine = Engine(moe, max_batch=8, max_seq_len=64, compile_decode=compiled)
-        if compiled:  # the constructor compiled both graphs
-            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one row; more
+                 for k, v in model.state_dict().items()}
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    results, built = [], []
+    for make in engines:
+        engine = make()
         first = engine.generate(ps[:1], GREEDY) + engine.generate(ps[1:], params)  # one row, then ragged
         rid = engine.add_request(ps[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         for _ in range(4):
@@ -638,12 +632,86 @@ def test_the_compiled_decode_step_changes_nothing_and_survives_swaps(moe):
         results.append(first + [swapped[rid]])
         engine.update_weights(original, version=0)  # the model is shared: restore it for the next engine
         engine.step()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs == 2, f"{graphs} graphs after the warm-up's 2: recompiled at a swap or a new batch size"
-    for eager, compiled in zip(*results):
-        for a, b in zip(eager.samples, compiled.samples):
+        built.append(engine)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, original[name]), name
+    return results, built
+
+
+def _assert_same_outputs(results):
+    for eager, other in zip(*results):
+        for a, b in zip(eager.samples, other.samples):
             assert a.token_ids == b.token_ids and a.versions == b.versions
             torch.testing.assert_close(torch.tensor(a.raw_logprobs), torch.tensor(b.raw_logprobs), atol=1e-5, rtol=0)
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
             assert (a.routing == b.routing).all()
     assert results[1][-1].samples[0].versions == [0] * 5 + [1] * 7
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_changes_nothing_and_survives_swaps(moe):
+    """compile_decode: the same tokens, logprobs, routing and versions as the eager engine, for one row and
+    for ragged batches, greedy and sampled, across a hot weight swap (which must not recompile)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def compiled():
+        engine = Engine(moe, max_batch=8, max_seq_len=64, compile_decode=True)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the constructor's: one row; more
+        return engine
+
+    results, _ = _ragged_runs_across_a_swap(
+        moe, [lambda: Engine(moe, max_batch=8, max_seq_len=64), compiled], prompts(5, 11, 3, 8, 1))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 2, f"{graphs} graphs after the warm-up's 2: recompiled at a swap or a new batch size"
+    _assert_same_outputs(results)
+
+
+def test_the_static_shape_decode_step_changes_nothing_and_survives_swaps(moe):
+    """graphs=True (on a GPU: CUDA graphs; on the CPU the same padded static-shape step, run eagerly): the same
+    tokens, logprobs, routing and versions as the engine's other decode paths, for one row and ragged
+    batches of several buckets, greedy and sampled, across a hot swap (which copies into the live weights)."""
+    ps = prompts(5, 11, 3, 8, 1, 70)  # the last one's keys outgrow the first length bucket (64)
+    results, engines = _ragged_runs_across_a_swap(
+        moe, [lambda g=g: Engine(moe, max_batch=8, max_seq_len=96, graphs=g) for g in (False, True)], ps)
+    assert engines[0].graphs is None and engines[1].graphs is not None
+    assert engines[1].cache.num_slots == 9  # the padding rows' scratch slot
+    _assert_same_outputs(results)
+
+
+def test_padding_rows_write_only_the_scratch_slot(moe):
+    from realtime_rl.engine.graphs import batch_buckets, length_bucket
+
+    assert batch_buckets(96) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96]
+    assert batch_buckets(5) == [1, 2, 4, 5] and batch_buckets(1) == [1]
+    assert [length_bucket(n, 4096) for n in (1, 64, 65, 700, 4096)] == [64, 64, 128, 1024, 4096]
+    assert length_bucket(90, 80) == 80
+    engine = Engine(moe, max_batch=8, max_seq_len=32, graphs=True)
+    engine.generate(prompts(4, 6, 5), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    held = {s for s in range(8) if engine.cache.k_LSHPD[0][s].abs().sum() > 0}
+    assert len(held) == 3  # three rows padded to a bucket of 4: the fourth row wrote only the scratch slot
+    assert engine.cache.k_LSHPD[0][8, :, 0].abs().sum() > 0 and engine.cache.k_LSHPD[0][8, :, 1:].abs().sum() == 0
+
+
+def test_graphs_and_compiled_decode_are_refused_together(moe):
+    with pytest.raises(ValueError, match="pick one"):
+        Engine(moe, max_batch=2, max_seq_len=16, graphs=True, compile_decode=True)
+
+
+def test_prefill_wait_batches_new_requests_while_others_decode(moe):
+    engine = Engine(moe, max_batch=4, max_seq_len=64, prefill_wait_ms=200)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request(prompts(5)[0], long)
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 0  # nothing decoding: admitted at once
+    engine.add_request(prompts(6, seed=1)[0], long)
+    engine.step()
+    engine.add_request(prompts(7, seed=2)[0], long)
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 2  # they wait for each other, the first decodes on
+    time.sleep(0.21)
+    engine.step()
+    assert engine.num_running == 3 and engine.num_waiting == 0  # one prefill for both
+    with pytest.raises(ValueError, match="prefill_wait_ms"):
+        Engine(moe, max_batch=2, max_seq_len=16, prefill_wait_ms=-1)

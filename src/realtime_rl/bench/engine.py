@@ -3,7 +3,10 @@
 The same weights (the default MoE architecture, random init, saved once and loaded by both), the
 same random prompts, greedy decoding of a fixed number of tokens (no early stop) at batch sizes 1, 8
 and 32. Ours runs twice: with the compiled decode step (`tokens_per_s`, `speedup_vs_hf`) and eager
-(`eager_*`); transformers' `generate` runs eager, as its users call it. Also: the seconds the compiled
+(`eager_*`); on a GPU a third time, replaying its decode steps from CUDA graphs (`graphs_*`, the engine's
+default there; each graph captured in an untimed run first); transformers' `generate` runs eager, as its
+users call it; on a GPU also one decode step of a rollout worker's batch (96 rows, 300-3,000 cached tokens
+each), eager against replayed (`agent_decode_*`). Also: the seconds the compiled
 engine's warm-up took (`compile_s`), the throughput cost of MoE routing capture, the pause of a hot
 weight swap made while a batch-32 decode is running, and one eager decode step at agent-episode lengths
 with the rows in scattered slots (28 of 32, 1,500-2,000 cached tokens each, what continuous batching
@@ -56,13 +59,13 @@ def default_model(seed: int = 0) -> Qwen3ForCausalLM:
 
 
 def _engine(model: Qwen3ForCausalLM, batch: int, max_seq_len: int, capture: bool = True,
-            compile_decode: bool = False) -> tuple[Engine, float]:
+            compile_decode: bool = False, graphs: bool = False) -> tuple[Engine, float]:
     """An engine for the benchmark and the seconds its construction and warm-up took (with compile_decode:
     compiling its decode graphs). No prefix caching: every run prefills its prompts afresh, as
     transformers does."""
     t0 = time.perf_counter()
     engine = Engine(model, max_batch=batch, max_seq_len=max_seq_len, capture_routing=capture,
-                    prefix_caching=False, compile_decode=compile_decode)
+                    prefix_caching=False, compile_decode=compile_decode, graphs=graphs)
     engine.generate([[1, 2, 3]] * min(batch, 4), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     return engine, time.perf_counter() - t0
 
@@ -109,6 +112,43 @@ def swap_pause_ms(model: Qwen3ForCausalLM, batch: int, new_tokens: int, repeats:
         assert engine.version == r + 1
         pauses.append(engine.last_swap_pause_ms)
     return statistics.median(pauses)
+
+
+def agent_decode_ms(model: Qwen3ForCausalLM, repeats: int, rows: int = 96, context: tuple[int, int] = (300, 3000),
+                    max_seq_len: int = 4096, steps: int = 20) -> dict[str, float]:
+    """One decode step of a rollout worker's batch on a GPU (`rows` episodes, 300-3,000 cached tokens each, in
+    a 4,096-token cache): the eager step (gathered, as the engine runs it off a CPU) against the same step
+    replayed from a CUDA graph. Medians over `repeats` alternations of `steps` steps each."""
+    engine = Engine(model, max_batch=rows, max_seq_len=max_seq_len, graphs=True)
+    assert engine.graphs is not None
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(context[0], context[1], (rows,), generator=g).tolist()
+    tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=g).tolist()
+    positions, slots = [n - 1 for n in lengths], list(range(rows))
+    ids = torch.tensor(tokens, device=engine.device)[:, None]
+    pos = torch.tensor(positions, device=engine.device)[:, None]
+    slots_t = torch.tensor(slots, device=engine.device)
+
+    def timed(step) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    with torch.no_grad():
+        eager = lambda: engine._last_logits(ids, pos, slots_t, max(lengths))  # noqa: E731
+        graphed = lambda: engine.graphs.run(tokens, positions, slots)  # noqa: E731
+        eager(), graphed()  # warm-up, and the graph's capture
+        runs = {"eager": [], "graphs": []}
+        for _ in range(repeats):
+            runs["eager"].append(timed(eager))
+            runs["graphs"].append(timed(graphed))
+    eager_ms, graphs_ms = statistics.median(runs["eager"]), statistics.median(runs["graphs"])
+    return {"agent_decode_eager_ms": eager_ms, "agent_decode_graphs_ms": graphs_ms,
+            "agent_decode_graphs_speedup": eager_ms / graphs_ms,
+            "agent_decode_capture_error": engine.graphs.capture_error}
 
 
 def scattered_decode_ms(model: Qwen3ForCausalLM, repeats: int, slots: int = 32,
@@ -236,14 +276,24 @@ def run(quick: bool = False) -> dict[str, Any]:
             raise
         compiled, metrics["compile_error"] = eager, f"{type(e).__name__}: {e}"[:500]
     metrics["compiled"] = compiled is not eager  # else tokens_per_s_* are the eager engine's
+    graphed = None
+    if device.type == "cuda":
+        graphed, _ = _engine(model, max(BATCHES), max_seq_len, graphs=True)
     for b in BATCHES:
         prompts = all_prompts[:b]
-        # Alternate the three so that load on the machine hits all alike; report medians.
-        runs: dict[str, list[float]] = {"compiled": [], "eager": [], "hf": []}
+        if graphed is not None:
+            _ours(graphed, prompts, new_tokens)  # captures this batch's graphs
+        # Alternate the engines so that load on the machine hits all alike; report medians.
+        runs: dict[str, list[float]] = {"compiled": [], "eager": [], "hf": [], "graphs": []}
         for _ in range(repeats):
             runs["compiled"].append(_ours(compiled, prompts, new_tokens))
             runs["eager"].append(_ours(eager, prompts, new_tokens))
             runs["hf"].append(_hf(hf_model, prompts, new_tokens))
+            if graphed is not None:
+                runs["graphs"].append(_ours(graphed, prompts, new_tokens))
+        if graphed is not None:
+            metrics[f"graphs_tokens_per_s_b{b}"] = statistics.median(runs["graphs"])
+            metrics[f"graphs_speedup_vs_hf_b{b}"] = metrics[f"graphs_tokens_per_s_b{b}"] / statistics.median(runs["hf"])
         metrics[f"tokens_per_s_b{b}"] = statistics.median(runs["compiled"])
         metrics[f"eager_tokens_per_s_b{b}"] = statistics.median(runs["eager"])
         metrics[f"hf_tokens_per_s_b{b}"] = statistics.median(runs["hf"])
@@ -254,6 +304,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics["hf_tokens_per_s"] = metrics[f"hf_tokens_per_s_b{b}"]
     metrics["speedup_vs_hf"] = metrics[f"speedup_vs_hf_b{b}"]
     metrics["eager_speedup_vs_hf"] = metrics[f"eager_speedup_vs_hf_b{b}"]
+    if graphed is not None:
+        metrics["graphs_tokens_per_s"] = metrics[f"graphs_tokens_per_s_b{b}"]
+        metrics["graphs_speedup_vs_hf"] = metrics[f"graphs_speedup_vs_hf_b{b}"]
+        metrics["graphs_captured"] = len(graphed.graphs.graphs) if graphed.graphs is not None else 0
+        metrics["graphs_capture_error"] = graphed.graphs.capture_error if graphed.graphs is not None else None
     # Capture cost (eager, where it is largest relative to the step): interleave runs with and without
     # capture so drift hits both alike.
     # And the cost of sampling at T = 1 (each row's own seeded draw) against greedy rows, on the eager engine.
@@ -268,6 +323,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     metrics["sampled_tokens_per_s"] = statistics.median(sampled)
     metrics["sampling_cost"] = 1.0 - statistics.median(sampled) / statistics.median(with_capture)
     metrics["swap_pause_ms"] = swap_pause_ms(model, batch=b, new_tokens=new_tokens)
+    if device.type == "cuda":
+        metrics |= agent_decode_ms(model, repeats=2 if quick else 5)
     if device.type != "cpu" or dtype != torch.float32:
         return metrics
     metrics |= scattered_decode_ms(model, repeats=2 if quick else 5)

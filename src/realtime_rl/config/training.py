@@ -243,6 +243,13 @@ class RolloutConfig(StrictModel):
     """Decode steps read the prompt keys/values a GRPO group's episodes hold as copies of one prefill once for
     the group (cascade attention, docs/model.md), where that costs less; eager decode only. False: every row
     reads its own copy (same tokens and logprobs; for comparison)."""
+    prefill_wait_ms: float = Field(0.0, ge=0.0, le=1000.0)
+    """While an engine decodes, a new turn waits up to this long to be prefilled with the turns arriving after it
+    (engine/engine.py): on a GPU a prefill costs its launches whatever its rows. 0: each step prefills what
+    has arrived."""
+    cuda_graphs: bool = True
+    """On a CUDA device, replay each engine's decode step from CUDA graphs (engine/graphs.py; unless
+    compile_decode). False: the eager step, as on a CPU (for comparison)."""
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
     """Where each worker's engine runs: cpu, cuda or cuda:N (workers on one GPU share it)."""
     gpus_per_worker: float = Field(1.0, gt=0, le=64)

@@ -29,6 +29,10 @@ otherwise every episode in flight would re-prefill its whole context after each 
 version (a rolled-back policy served again), or to other weights under the same version number, starts a
 new cache epoch: nothing cached before it is reused.
 
+Prefill batching (`prefill_wait_ms`, default 0): while sequences decode, a new request waits up to that long
+to be prefilled together with those arriving after it. On a GPU a prefill is an eager forward whose cost is
+its launches, whatever its rows: an agent's turns arriving one a step would otherwise add one to most steps.
+
 Compiled decode (`compile_decode=True`): the decode step's forward runs through `torch.compile` with
 dynamic batch and prefix sizes (a graph for a single row, one for every batch of more),
 which removes most of the per-operator overhead that bounds a small model's decode step on CPU. The
@@ -36,9 +40,17 @@ constructor compiles both graphs (tens of seconds on two cores; inductor caches 
 the next process), so no request waits on it; the weights stay inputs of the graph, so hot swaps need no
 recompilation. Prefill stays eager.
 
-Cascade decode (`cascade_decode=True`, the default; eager decode only): the slot table records which slots
+Cascade decode (`cascade_decode=True`, the default; eager decode on a CPU): the slot table records which slots
 hold copies of one prefill (slots.py), and a decode step whose rows share such runs reads each once for all
 its rows (the model's `SharedRows`), when that attends over fewer key positions.
+
+CUDA graphs (`graphs=None`, the default: on a CUDA device): the decode step runs in static shapes, padded to
+a bucket of rows and of key length, and is replayed from a CUDA graph captured per bucket (graphs.py): a small
+model's eager step on a GPU is bound by its hundreds of kernel launches. Weight swaps then copy into the live
+weights, which the graphs read. The per-row and cascade reads are for CPUs: on a GPU each of their attention
+calls is more launches, so an eager step there always gathers. Prefill stays eager. `graphs=True` on a CPU
+runs the static-shape step eagerly (tests); a model whose experts cannot run on the GPU without reading
+their counts back (fp32 experts) gets none.
 
 Not here: paged attention (shared prefixes are copied, then read once, not referenced), chunked prefill,
 speculative decoding.
@@ -56,6 +68,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from realtime_rl.engine.graphs import DecodeGraphs
 from realtime_rl.engine.requests import (
     Request, RequestOutput, Seq, check_request, finish_reason, notify, request_output,
 )
@@ -63,6 +76,7 @@ from realtime_rl.engine.sampling import SamplingParams
 from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
 from realtime_rl.model.kv_cache import SharedRows, SlotRows, SlotWindow
+from realtime_rl.model.moe import grouped_experts
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 log = logging.getLogger(__name__)
@@ -72,7 +86,7 @@ class Engine:
     def __init__(self, model: Qwen3ForCausalLM, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
                  max_seq_len: int = 2048, version: int = 0, capture_routing: bool = True, seed: int = 0,
                  prefix_caching: bool = True, prefix_max_age: int = 0, compile_decode: bool = False,
-                 cascade_decode: bool = True) -> None:
+                 cascade_decode: bool = True, graphs: bool | None = None, prefill_wait_ms: float = 0.0) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError("need max_batch >= 1 and max_seq_len >= 2")
         self.model = model.eval()
@@ -83,7 +97,18 @@ class Engine:
         self.capture_routing = capture_routing and model.num_moe_layers > 0
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.cache = KVCache(model.config, max_batch, max_seq_len, dtype=self.dtype, device=self.device)
+        self.graphs: DecodeGraphs | None = None
+        if graphs is None:
+            graphs = self.device.type == "cuda" and not compile_decode
+        if graphs and model.num_moe_layers and not grouped_experts(self.device, self.dtype):
+            log.warning("no CUDA graphs: the experts in %s on %s read their counts back each step", self.dtype,
+                        self.device)
+            graphs = False
+        if graphs:  # one slot more: the padding rows' scratch slot, which no sequence ever holds
+            self.graphs = DecodeGraphs(self._last_logits, max_batch=max_batch, max_seq_len=max_seq_len,
+                                       scratch_slot=max_batch, device=self.device)
+        self.cache = KVCache(model.config, max_batch + (self.graphs is not None), max_seq_len, dtype=self.dtype,
+                             device=self.device)
         self.default_stop_ids = tokenizer.stop_token_ids if tokenizer is not None else []
         self.slots = SlotTable(max_batch, version, prefix_caching=prefix_caching, prefix_max_age=prefix_max_age,
                                need_routing=self.capture_routing)
@@ -98,8 +123,13 @@ class Engine:
         self._ids = itertools.count()
         self.last_swap_pause_ms: float | None = None
         self.steps = 0
+        if prefill_wait_ms < 0:
+            raise ValueError(f"prefill_wait_ms must be >= 0, got {prefill_wait_ms}")
+        self.prefill_wait_s = prefill_wait_ms / 1e3
+        if compile_decode and self.graphs is not None:
+            raise ValueError("compile_decode and graphs are two ways of one decode step: pick one")
         self.compile_decode = compile_decode
-        self.cascade_decode = cascade_decode and not compile_decode
+        self.cascade_decode = cascade_decode and not compile_decode and self.device.type == "cpu"
         self._decode_forward = self._last_logits
         if compile_decode:
             # The C++ wrapper calls the graph's kernels without Python in between (~10% faster on CPU).
@@ -189,7 +219,10 @@ class Engine:
         t0 = time.perf_counter()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                p.data = staged[name]
+                if self.graphs is not None:
+                    p.copy_(staged[name])  # the graphs read the live tensors where they lie
+                else:
+                    p.data = staged[name]
         if version <= self.version:  # older weights, or others under the same number: none cached is theirs
             self.slots.rollback()
         self.version = version
@@ -216,6 +249,9 @@ class Engine:
         followers: list[tuple[Request, int]] = []  # (request, its prompt's leader) for later ones
         aborted: list[Request] = []  # told after the lock is released (their callbacks may call in again)
         with self._lock:
+            if (self.prefill_wait_s and self._running and self._waiting
+                    and time.perf_counter() - self._waiting[0].created < self.prefill_wait_s):
+                return  # decode on; the requests arriving meanwhile join this one's prefill
             while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
                 req = self._waiting.popleft()
                 if req.aborted:
@@ -226,7 +262,7 @@ class Engine:
                 for i in range(req.params.n):
                     seed = None if req.params.seed is None else req.params.seed + i
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._rng)) if seed is None else seed
-                    gen = torch.Generator(device=self.device).manual_seed(seed)
+                    gen = torch.Generator(device="cpu").manual_seed(seed)  # draws a uniform a token (sampling.py)
                     if i == 0 and leader is None:
                         slot, hit, routing = self._take_with_prefix(req.prompt_ids)
                         hits.append(hit)
@@ -306,19 +342,31 @@ class Engine:
         seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)
         if not seqs:
             return
+        if self.graphs is not None:
+            pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
+            logits_BV, routing_BTLK = self.graphs.run([s.token_ids[-1] for s in seqs], pos, [s.slot for s in seqs])
+            self._keep_routing(seqs, routing_BTLK)
+            self._sample(seqs, logits_BV)
+            return
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)[:, None]
         lineages = [self.slots.blocks[s.slot] for s in seqs] if self.cascade_decode else None
-        slots = decode_slots([s.slot for s in seqs], [p + 1 for p in pos], gather=self.compile_decode,
-                             device=self.device, lineages=lineages)
+        # Off a CPU, always gathered: a fixed number of launches, where the other reads add calls per row or run.
+        slots = decode_slots([s.slot for s in seqs], [p + 1 for p in pos],
+                             gather=self.compile_decode or self.device.type != "cpu", device=self.device,
+                             lineages=lineages)
         with torch.no_grad():
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
+        self._keep_routing(seqs, routing_BTLK)
+        self._sample(seqs, logits_BV)
+
+    @staticmethod
+    def _keep_routing(seqs: list[Seq], routing_BTLK: torch.Tensor | None) -> None:
         if routing_BTLK is not None:
             routing = routing_BTLK[:, 0].cpu()
             for b, s in enumerate(seqs):
                 s.routing.append(routing[b : b + 1])
-        self._sample(seqs, logits_BV)
 
     def _last_logits(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor,
                      slots: torch.Tensor | int | SlotWindow | SlotRows | SharedRows, length: int
@@ -339,6 +387,8 @@ class Engine:
             torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
             torch.tensor([p.top_k for p in params], device=dev),
             torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+            filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            unit_temperature=all(p.temperature == 1 for p in params),
         )
         tokens = sample_rows(lp_BV, [p.temperature == 0 for p in params], [s.generator for s in seqs])
         tok_B = torch.tensor(tokens, device=dev)

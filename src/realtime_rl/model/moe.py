@@ -31,6 +31,12 @@ _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 _GROUPED_DTYPES_CPU = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def grouped_experts(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the experts run as grouped matmuls on this device in this compute dtype (else a per-expert loop,
+    which reads the per-expert counts back to the host)."""
+    return _HAS_GROUPED_MM and dtype in (_GROUPED_DTYPES_CPU if device.type == "cpu" else (torch.bfloat16,))
+
+
 def _grouped_swiglu(x_MC: torch.Tensor, gate_up_EFC: torch.Tensor, down_ECI: torch.Tensor,
                     offs_E: torch.Tensor) -> torch.Tensor:
     gate, up = F.grouped_mm(x_MC, gate_up_EFC.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
@@ -99,7 +105,7 @@ class Experts(nn.Module):
             0, flat_expert_M, torch.ones_like(flat_expert_M))
         dtype = compute_dtype(x_NC)
         if grouped is None:
-            grouped = _HAS_GROUPED_MM and dtype in (_GROUPED_DTYPES_CPU if x_NC.is_cpu else (torch.bfloat16,))
+            grouped = grouped_experts(x_NC.device, dtype)
         if grouped:
             # Autocast does not cover grouped_mm: cast to its dtype here (the casts are differentiable).
             args = (x_MC.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype),

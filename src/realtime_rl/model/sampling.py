@@ -16,13 +16,19 @@ import torch
 
 
 def sampling_logprobs(
-    logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+    logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor, *,
+    filtered: bool | None = None, unit_temperature: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities to sample from, untempered log-probabilities), both [B, V] fp32."""
+    """(log-probabilities to sample from, untempered log-probabilities), both [B, V] fp32. `filtered` (any row
+    has top-k or top-p) and `unit_temperature` (every row samples at T = 1): a caller that knows them from its
+    own host values passes them, sparing a GPU the reads of the three tensors."""
     logits_BV = logits_BV.float()
     raw_BV = torch.log_softmax(logits_BV, dim=-1)
-    filtered = bool((top_k_B > 0).any()) or bool((top_p_B < 1).any())
-    if not filtered and bool((temperature_B == 1).all()):
+    if filtered is None:
+        filtered = bool((top_k_B > 0).any()) or bool((top_p_B < 1).any())
+    if unit_temperature is None:
+        unit_temperature = bool((temperature_B == 1).all())
+    if not filtered and unit_temperature:
         return raw_BV, raw_BV  # RL's rollouts: the same numbers, one log-softmax fewer
     scaled_BV = logits_BV / temperature_B.clamp_min(1e-6)[:, None]
     if filtered:
@@ -57,7 +63,10 @@ def sample_rows(logprobs_BV: torch.Tensor, greedy_B: list[bool], generators: lis
             # it at the running maximum, so that no uniform lands on it. The CPU's sequential scan keeps them
             # equal (and a cummax would cost it ~0.3 ms a 48-row step).
             cdf_SV = torch.where(probs_SV > 0, cdf_SV, float("-inf")).cummax(dim=-1).values
-        u_S = torch.stack([torch.rand((), generator=generators[b], device=dev) for b in sampled])
+        # Each row's generator draws where it lives (the engine's on the CPU: on a GPU, a draw a row would be a
+        # kernel launch a row), then the uniforms go to the logprobs' device in one copy.
+        gens = [generators[b] for b in sampled]
+        u_S = torch.stack([torch.rand((), generator=g, device=dev if g is None else g.device) for g in gens]).to(dev)
         drawn_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None], right=True)[:, 0]
         # u x total can round up to the total itself: then the last token of nonzero probability.
         last_S = probs_SV.shape[-1] - 1 - (probs_SV.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)

@@ -83,7 +83,8 @@ class RolloutWorker:
         engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=config.episodes_in_flight,
                         max_seq_len=config.agent.max_context_tokens, seed=seed + 7919 * worker_id,
                         prefix_max_age=config.prefix_max_age or 0, compile_decode=config.compile_decode,
-                        cascade_decode=config.cascade_decode)
+                        cascade_decode=config.cascade_decode, graphs=None if config.cuda_graphs else False,
+                        prefill_wait_ms=config.prefill_wait_ms)
         self.engine = AsyncEngine(engine, max_pending=4 * config.episodes_in_flight).start()
         self.pool = WarmPool(config.sandbox)
         self.grader = GradeCache(Sandbox(config.sandbox))  # a group's identical workspaces are graded once

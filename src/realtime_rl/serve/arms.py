@@ -120,7 +120,7 @@ def build_candidate(champion: AsyncEngine, state: Mapping[str, torch.Tensor], ve
     engine = Engine(model, live.tokenizer, max_batch=live.max_batch, max_seq_len=live.max_seq_len, version=version,
                     capture_routing=live.capture_routing, prefix_caching=live.slots.prefix_caching,
                     prefix_max_age=live.slots.prefix_max_age, compile_decode=live.compile_decode,
-                    cascade_decode=live.cascade_decode)
+                    cascade_decode=live.cascade_decode, graphs=live.graphs is not None)
     engine.update_weights(state, version)  # checks names and shapes
     engine.step()  # no requests yet: the step only swaps the staged weights in, before anyone is served
     assert engine.version == version
