@@ -120,7 +120,9 @@ class DecodeGraphs:
             self._step(bucket, length)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: other threads of the process (a worker staging new weights on the GPU) may go on
+        # calling CUDA while this thread captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = self._step(bucket, length)
         log.debug("captured the decode graph of %d rows (%d real) x %d keys", bucket, rows, length)
         return graph, outputs
