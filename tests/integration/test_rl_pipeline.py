@@ -46,6 +46,11 @@ def _check_run(run_dir: Path, summary: dict, steps: int, max_staleness: int) -> 
     assert len(trained) == len(set(trained)) == steps * 2 * 2  # groups_per_step x group_size per version
     consumed = [i for ids in _state(run_dir)["consumed"].values() for i in ids]
     assert consumed == trained[-len(consumed):]  # the checkpoint's window: the last versions' episodes
+    # The workers' engines reported where their time went (through the process queue or Ray).
+    engine = summary["engine"]
+    assert 0 < engine["busy"] <= 1 and engine["decode_ms"] > 0 and engine["prefill_ms"] > 0
+    assert 1 <= engine["decode_rows"] <= 4 and 0 < engine["prefills_per_step"] <= 1  # 4 episodes in flight
+    assert all("rollout/engine_busy" in line["metrics"] for line in lines)
 
 
 def test_local_pipeline_trains_within_the_staleness_bound(tmp_path, tiny_checkpoint):

@@ -715,3 +715,13 @@ def test_prefill_wait_batches_new_requests_while_others_decode(moe):
     assert engine.num_running == 3 and engine.num_waiting == 0  # one prefill for both
     with pytest.raises(ValueError, match="prefill_wait_ms"):
         Engine(moe, max_batch=2, max_seq_len=16, prefill_wait_ms=-1)
+
+
+def test_engine_stats_account_for_its_steps(moe):
+    engine = Engine(moe, max_batch=4, max_seq_len=64)
+    engine.generate(prompts(5, 7), [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6)])
+    stats = engine.stats
+    # Both prefilled in the first step, which samples their first tokens and decodes their second.
+    assert stats.prefills == 1 and stats.steps == engine.steps == 5
+    assert stats.decode_steps == 5 and stats.decode_rows == 2 + 2 + 1 + 1 + 1
+    assert stats.busy_s >= stats.prefill_s + stats.decode_s > 0 and stats.prefill_s > 0

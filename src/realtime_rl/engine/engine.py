@@ -58,6 +58,7 @@ speculative decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -80,6 +81,25 @@ from realtime_rl.model.moe import grouped_experts
 from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Where an engine's steps went, cumulative: what tells a decode-bound engine from a prefill-bound or a
+    starved one (seconds are host wall time, GPU waits included)."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    """Inside step()."""
+    prefills: int = 0
+    """Prefill forwards (each admits every request that fits)."""
+    prefill_s: float = 0.0
+    """Admitting, prefilling and sampling the first tokens."""
+    decode_steps: int = 0
+    decode_rows: int = 0
+    """Rows over all decode steps (/ decode_steps: the mean batch)."""
+    decode_s: float = 0.0
+    """Decode forwards and their sampling."""
 
 
 class Engine:
@@ -122,7 +142,7 @@ class Engine:
         self._rng = torch.Generator(device="cpu").manual_seed(seed)
         self._ids = itertools.count()
         self.last_swap_pause_ms: float | None = None
-        self.steps = 0
+        self.stats = EngineStats()
         if prefill_wait_ms < 0:
             raise ValueError(f"prefill_wait_ms must be >= 0, got {prefill_wait_ms}")
         self.prefill_wait_s = prefill_wait_ms / 1e3
@@ -232,14 +252,28 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that finished in it."""
+        stats, t0 = self.stats, time.perf_counter()
         self._apply_swap()
         finished: list[RequestOutput] = []
+        prefills = stats.prefills
+        t1 = time.perf_counter()
         self._admit_and_prefill(finished)
+        t2 = time.perf_counter()
+        if stats.prefills != prefills:
+            stats.prefill_s += t2 - t1
         if self._running:
-            self._decode()
+            rows = self._decode()
+            stats.decode_s += time.perf_counter() - t2
+            stats.decode_steps += rows > 0
+            stats.decode_rows += rows
         finished += self._retire()
-        self.steps += 1
+        stats.steps += 1
+        stats.busy_s += time.perf_counter() - t0
         return finished
+
+    @property
+    def steps(self) -> int:
+        return self.stats.steps
 
     def _admit_and_prefill(self, finished: list[RequestOutput]) -> None:
         admitted: list[Request] = []  # prefilled in this step's forward
@@ -282,6 +316,7 @@ class Engine:
         finished += [self._output(req, "abort") for req in aborted]
         if not admitted:
             return
+        self.stats.prefills += 1
         lengths = [len(r.prompt_ids) for r in admitted]
         T = max(n - s for n, s in zip(lengths, hits))
         ids = torch.zeros(len(admitted), T, dtype=torch.long)
@@ -338,16 +373,17 @@ class Engine:
         self.cache.copy_prefix(source, slot, length)
         self.slots.copied(source, slot, length)
 
-    def _decode(self) -> None:
+    def _decode(self) -> int:
+        """Decode one token of every running sequence; returns how many rows the step ran."""
         seqs = sorted((s for s in self._running if s.finish_reason is None), key=lambda s: s.slot)
         if not seqs:
-            return
+            return 0
         if self.graphs is not None:
             pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
             logits_BV, routing_BTLK = self.graphs.run([s.token_ids[-1] for s in seqs], pos, [s.slot for s in seqs])
             self._keep_routing(seqs, routing_BTLK)
             self._sample(seqs, logits_BV)
-            return
+            return len(seqs)
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)
         pos = [len(s.req.prompt_ids) + len(s.token_ids) - 1 for s in seqs]
         positions = torch.tensor(pos, device=self.device)[:, None]
@@ -360,6 +396,7 @@ class Engine:
             logits_BV, routing_BTLK = self._decode_forward(ids, positions, slots, max(pos) + 1)
         self._keep_routing(seqs, routing_BTLK)
         self._sample(seqs, logits_BV)
+        return len(seqs)
 
     @staticmethod
     def _keep_routing(seqs: list[Seq], routing_BTLK: torch.Tensor | None) -> None:

@@ -35,7 +35,7 @@ class RolloutBackend(ABC):
         self.group_size = group_size
         self.seed = seed
         self._load = [0] * config.workers  # groups in flight per worker
-        self._tokens = [0] * config.workers  # tokens each worker reported so far
+        self._reports: list[dict[str, float]] = [{} for _ in range(config.workers)]  # each worker's latest report
         self.last_publish = None  # realtime_rl.deploy.PublishStats of the newest publish
 
     @property
@@ -50,7 +50,24 @@ class RolloutBackend(ABC):
 
     def generated_tokens(self) -> int:
         """Tokens sampled by all workers so far (for rollout tokens/s)."""
-        return sum(self._tokens)
+        return int(sum(r.get("generated_tokens", 0) for r in self._reports))
+
+    def engine_metrics(self) -> dict[str, float]:
+        """How the workers' engines spent their time, over all workers as of their latest reports:
+        `rollout/engine_busy` (the share of the workers' time inside engine steps; the rest the engines
+        waited for requests: episodes in tools, grading, or the agent loop's own work), `rollout/decode_ms`
+        and `rollout/decode_rows` (a decode step's time and rows), `rollout/prefill_ms` and
+        `rollout/prefills_per_step`. Empty before any report."""
+        total = {k: sum(r.get(k, 0.0) for r in self._reports)
+                 for k in ("wall_s", "busy_s", "steps", "prefills", "prefill_s", "decode_steps", "decode_rows",
+                           "decode_s")}
+        if not total["steps"]:
+            return {}
+        return {"rollout/engine_busy": total["busy_s"] / max(total["wall_s"], 1e-9),
+                "rollout/decode_ms": 1e3 * total["decode_s"] / max(total["decode_steps"], 1),
+                "rollout/decode_rows": total["decode_rows"] / max(total["decode_steps"], 1),
+                "rollout/prefill_ms": 1e3 * total["prefill_s"] / max(total["prefills"], 1),
+                "rollout/prefills_per_step": total["prefills"] / total["steps"]}
 
     @property
     @abstractmethod

@@ -1,8 +1,8 @@
 """Rollout workers as local processes (multiprocessing, spawn): one engine and sandbox pool each.
 
 Messages are plain tuples on multiprocessing queues: to a worker ("weights", version), ("job", GroupJob),
-("stop",); from a worker ("ready", wid), ("group", wid, group_id, [episode bytes], tokens), ("error", wid,
-text). Episodes travel as episode_to_bytes blobs (no pickle of our objects across the boundary).
+("stop",); from a worker ("ready", wid), ("group", wid, group_id, [episode bytes], report), ("error", wid,
+text), where report is RolloutWorker.report() (tokens so far, engine stats). Episodes travel as episode_to_bytes blobs (no pickle of our objects across the boundary).
 Weights travel through the weight-sync path of `realtime_rl.deploy`: the trainer's WeightPublisher
 writes a verified lossless delta (and periodic snapshots) into run_dir/weights on the filesystem
 transport; each worker's WeightSubscriber follows the chain and hands the rebuilt state to its
@@ -46,7 +46,7 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, config: RolloutConfig, w
         try:
             episodes = worker.run_group(job)
             outbox.put(("group", worker_id, job.group_id, [episode_to_bytes(e) for e in episodes],
-                        worker.generated_tokens))
+                        worker.report()))
         except BaseException:
             outbox.put(("error", worker_id, traceback.format_exc()))
 
@@ -123,10 +123,10 @@ class LocalBackend(RolloutBackend):
         message = self._get(timeout_s)
         while message is not None:
             if message[0] == "group":
-                _, wid, group_id, blobs, tokens = message
+                _, wid, group_id, blobs, report = message
                 self._load[wid] -= 1
                 self._jobs.pop(group_id, None)
-                self._tokens[wid] = tokens
+                self._reports[wid] = report
                 out.append([episode_from_bytes(b) for b in blobs])
             message = self._get(0)
         return out

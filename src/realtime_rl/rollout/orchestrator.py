@@ -151,6 +151,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     "rollout/dropped_stale_groups": float(buffer.dropped),
                     "rollout/straggler_wait_s": straggler_s,
                     "rollout/groups_ready": float(len(buffer.ready)),
+                    **backend.engine_metrics(),
                 }
                 if backend.last_publish is not None and backend.last_publish.ratio:
                     metrics["sync/delta_ratio"] = backend.last_publish.ratio
@@ -181,5 +182,6 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
         "dropped_stale_groups": buffer.dropped,
         "straggler_wait_s": straggler_s,
         "rollout_tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
+        "engine": {k.removeprefix("rollout/").removeprefix("engine_"): v for k, v in backend.engine_metrics().items()},
         "history": history,
     }

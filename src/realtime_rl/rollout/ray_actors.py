@@ -41,9 +41,9 @@ class _Actor:
     def sync_weights(self) -> int | None:
         return self.subscriber.poll()
 
-    def run_group(self, job: GroupJob) -> tuple[list[bytes], int]:
+    def run_group(self, job: GroupJob) -> tuple[list[bytes], dict[str, float]]:
         episodes = self.worker.run_group(job)
-        return [episode_to_bytes(e) for e in episodes], self.worker.generated_tokens
+        return [episode_to_bytes(e) for e in episodes], self.worker.report()
 
     def close(self) -> None:
         self.worker.close()
@@ -98,8 +98,8 @@ class RayBackend(RolloutBackend):
         for ref in done:
             wid = self._pending.pop(ref)
             self._load[wid] -= 1
-            blobs, tokens = self.ray.get(ref, timeout=self.config.timeout_s)  # raises the actor's error, if any
-            self._tokens[wid] = tokens
+            blobs, report = self.ray.get(ref, timeout=self.config.timeout_s)  # raises the actor's error, if any
+            self._reports[wid] = report
             out.append([episode_from_bytes(b) for b in blobs])
         return out
 

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -92,10 +92,17 @@ class RolloutWorker:
         self._tasks_dir = Path(tempfile.mkdtemp(prefix=f"rtrl-rollout-{worker_id}-"))
         self._lock = threading.Lock()
         self.generated_tokens = 0
+        self._started = time.perf_counter()
 
     @property
     def version(self) -> int:
         return self.engine.version
+
+    def report(self) -> dict[str, float]:
+        """Tokens sampled so far, the engine's cumulative EngineStats, and the seconds since the worker started
+        (what the orchestrator's rollout/engine_* metrics are computed from)."""
+        return {"generated_tokens": self.generated_tokens, "wall_s": time.perf_counter() - self._started,
+                **asdict(self.engine.engine.stats)}
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(state, version)
