@@ -18,9 +18,13 @@
 # What lands in $OUT comes back (8 files at most): env.txt, checks.log (the tests' and the benches' output),
 # mismatch_cuda_*.json, engine_cuda_*.json, trainer_cuda_*.json, async_cuda.json, async.log: pick the dtypes so
 # that they stay 8 (two MISMATCH and two TRAINER dtypes with TRAINER_SET and the async bench make 10).
+# SANDBOX=1 runs `rtrl bench sandbox` on the machine first (sandbox.json): how fast its sandboxes are, which
+# bounds rollouts once the engines are fast.
 # Seen on an H200 (2026-11-27): machine start ~30 s, setup ~20 s, tests/gpu/test_cuda_model.py + one CUDA
 # trainer test ~20 s, bench trainer ~35 s a run; the async bench 20 steps with 24 eval tasks ~360 s, 10 steps
-# with 8 ~190 s; bench engine on CUDA not yet run.
+# with 8 ~190 s. 2026-11-28: tests/gpu (15 tests) 12 s, bench engine on CUDA ~115 s (its compile 40 s); the
+# async bench with the workers' engines on the GPU (rollout.device=cuda, CUDA graphs) 10 steps with 8 eval
+# tasks ~260 s on 1 worker, 8 steps with 4 ~160 s on 8.
 set -u
 PY=${PY:-.venv/bin/python}
 
@@ -58,6 +62,10 @@ run() {
   export PYTHONPATH=/tmp/site:$PWD/src:$PWD
   local rtrl="python3 -m realtime_rl.cli"
   timeout 60 python3 -c "from realtime_rl.environments.sandbox.probe import probe_isolation as p; print(p().label)"
+  if [ "${SANDBOX:-0}" = 1 ]; then
+    log "bench sandbox"
+    timeout 120 $rtrl bench sandbox --json "$OUT/sandbox.json" 2>&1 | tee -a "$OUT/checks.log" | grep -A14 '"metrics"'
+  fi
   if [ "${CHECKS:-1}" = 1 ]; then
     log "pytest -m gpu"
     timeout 200 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -s -p no:cacheprovider -o addopts="" 2>&1 \

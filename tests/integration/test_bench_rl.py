@@ -95,8 +95,8 @@ def test_bench_async_quick():
     for mode in ("sync", "async"):  # the first batch's wait is (nearly) all idle: without it the fraction drops
         assert 0.0 < m[f"{mode}_fill_s"] < m[f"{mode}_minutes"] * 60
         assert 0.0 <= m[f"trainer_idle_fraction_{mode}_after_fill"] <= m[f"trainer_idle_fraction_{mode}"]
-        assert 0.0 < m[f"{mode}_engine_busy"] <= 1.0 and m[f"{mode}_engine_decode_rows"] >= 1
-        assert m[f"{mode}_engine_decode_ms"] > 0 and m[f"{mode}_engine_prefill_ms"] > 0
+        assert 0.0 < m[f"{mode}_engine_busy"] <= 1.0 and m[f"{mode}_decode_rows"] >= 1
+        assert m[f"{mode}_decode_ms"] > 0 and m[f"{mode}_prefill_ms"] > 0 and 0 < m[f"{mode}_policy_share"] < 1
 
 
 @pytest.mark.slow

@@ -47,9 +47,10 @@ def _check_run(run_dir: Path, summary: dict, steps: int, max_staleness: int) -> 
     consumed = [i for ids in _state(run_dir)["consumed"].values() for i in ids]
     assert consumed == trained[-len(consumed):]  # the checkpoint's window: the last versions' episodes
     # The workers' engines reported where their time went (through the process queue or Ray).
-    engine = summary["engine"]
-    assert 0 < engine["busy"] <= 1 and engine["decode_ms"] > 0 and engine["prefill_ms"] > 0
-    assert 1 <= engine["decode_rows"] <= 4 and 0 < engine["prefills_per_step"] <= 1  # 4 episodes in flight
+    rollout = summary["rollout"]
+    assert 0 < rollout["engine_busy"] <= 1 and rollout["decode_ms"] > 0 and rollout["prefill_ms"] > 0
+    assert 1 <= rollout["decode_rows"] <= 4 and 0 < rollout["prefills_per_step"] <= 1  # 4 episodes in flight
+    assert 0 < rollout["policy_share"] < 1 and 0 < rollout["grade_share"] < 1
     assert all("rollout/engine_busy" in line["metrics"] for line in lines)
 
 

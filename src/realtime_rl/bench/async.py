@@ -15,8 +15,8 @@ That concurrency, with training overlapped, is what asynchrony buys when environ
 
 "The same pass@1": both runs end with a held-out pass@1 on the same tasks (reported, with the
 training reward of their last steps); the speedup is the ratio of wall times for the same steps. Each
-mode also reports where its workers' engines spent the run (`<mode>_engine_busy`, `_decode_ms`,
-`_decode_rows`, `_prefill_ms`, `_prefills_per_step`; docs/rl.md, Metrics).
+mode also reports where its workers' engines and episodes spent the run (`<mode>_engine_busy`, `_decode_ms`,
+`_decode_rows`, `_prefill_ms`, `_prefills_per_step`, `_policy_share`, `_grade_share`; docs/rl.md, Metrics).
 """
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "async_rollout_tokens_per_s": asyn["rollout_tokens_per_s"],
         "sync_trainer_step_s": _median_step_s(sync),
         "async_trainer_step_s": _median_step_s(asyn),
-        # Where the workers' engines spent the run (rollout/orchestrator: engine_busy, decode_ms, decode_rows,
-        # prefill_ms, prefills_per_step): which of decoding, prefilling or waiting for the agent loop bounds it.
-        **{f"{mode}_engine_{k}": v for mode, r in (("sync", sync), ("async", asyn)) for k, v in r["engine"].items()},
+        # Where the workers' engines and episodes spent the run (RolloutBackend.engine_metrics: engine_busy,
+        # decode_ms, decode_rows, prefill_ms, prefills_per_step, policy_share, grade_share): which of decoding,
+        # prefilling, tools or grading bounds sampling.
+        **{f"{mode}_{k}": v for mode, r in (("sync", sync), ("async", asyn)) for k, v in r["rollout"].items()},
         "tool_latency_s": latency,
         "episodes_in_flight": in_flight,
         "eval_tasks": eval_tasks,

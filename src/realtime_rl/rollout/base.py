@@ -57,13 +57,18 @@ class RolloutBackend(ABC):
         `rollout/engine_busy` (the share of the workers' time inside engine steps; the rest the engines
         waited for requests: episodes in tools, grading, or the agent loop's own work), `rollout/decode_ms`
         and `rollout/decode_rows` (a decode step's time and rows), `rollout/prefill_ms` and
-        `rollout/prefills_per_step`. Empty before any report."""
+        `rollout/prefills_per_step`; and where the episodes' time went: `rollout/policy_share` (waiting on the
+        engine: queued, prefilled, decoded) and `rollout/grade_share` of episode-plus-grading seconds, the rest
+        being tools and the agent loop's own work. Empty before any report."""
         total = {k: sum(r.get(k, 0.0) for r in self._reports)
                  for k in ("wall_s", "busy_s", "steps", "prefills", "prefill_s", "decode_steps", "decode_rows",
-                           "decode_s")}
+                           "decode_s", "episode_s", "policy_s", "grade_s")}
         if not total["steps"]:
             return {}
-        return {"rollout/engine_busy": total["busy_s"] / max(total["wall_s"], 1e-9),
+        episodes_s = max(total["episode_s"] + total["grade_s"], 1e-9)
+        return {"rollout/policy_share": total["policy_s"] / episodes_s,
+                "rollout/grade_share": total["grade_s"] / episodes_s,
+                "rollout/engine_busy": total["busy_s"] / max(total["wall_s"], 1e-9),
                 "rollout/decode_ms": 1e3 * total["decode_s"] / max(total["decode_steps"], 1),
                 "rollout/decode_rows": total["decode_rows"] / max(total["decode_steps"], 1),
                 "rollout/prefill_ms": 1e3 * total["prefill_s"] / max(total["prefills"], 1),

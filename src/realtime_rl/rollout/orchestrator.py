@@ -182,6 +182,6 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
         "dropped_stale_groups": buffer.dropped,
         "straggler_wait_s": straggler_s,
         "rollout_tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
-        "engine": {k.removeprefix("rollout/").removeprefix("engine_"): v for k, v in backend.engine_metrics().items()},
+        "rollout": {k.removeprefix("rollout/"): v for k, v in backend.engine_metrics().items()},
         "history": history,
     }

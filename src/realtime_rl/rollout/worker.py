@@ -56,16 +56,22 @@ def job_task(job: GroupJob, rollout: RolloutConfig) -> SyntheticTask:
 
 
 class _LatentPolicy:
-    """Adds simulated tool latency before every turn after the first (the previous turn's tools 'ran')."""
+    """Adds simulated tool latency before every turn after the first (the previous turn's tools 'ran'), and
+    times the policy's calls (the engine: queued, prefilled, decoded)."""
 
     def __init__(self, policy: EnginePolicy, latency_s: float) -> None:
         self.policy, self.latency_s, self.turns = policy, latency_s, 0
+        self.policy_s = 0.0
 
     def generate(self, context_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> PolicyOutput:
         if self.turns and self.latency_s:
             time.sleep(self.latency_s)
         self.turns += 1
-        return self.policy.generate(context_ids, max_new_tokens, stop_ids)
+        t0 = time.perf_counter()
+        try:
+            return self.policy.generate(context_ids, max_new_tokens, stop_ids)
+        finally:
+            self.policy_s += time.perf_counter() - t0
 
 
 class RolloutWorker:
@@ -93,16 +99,19 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self.generated_tokens = 0
         self._started = time.perf_counter()
+        self._episode_s = {"episode_s": 0.0, "policy_s": 0.0, "grade_s": 0.0}  # summed over episodes
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     def report(self) -> dict[str, float]:
-        """Tokens sampled so far, the engine's cumulative EngineStats, and the seconds since the worker started
-        (what the orchestrator's rollout/engine_* metrics are computed from)."""
-        return {"generated_tokens": self.generated_tokens, "wall_s": time.perf_counter() - self._started,
-                **asdict(self.engine.engine.stats)}
+        """Tokens sampled so far, the seconds since the worker started, the episodes' seconds summed (whole,
+        waiting on the policy, grading) and the engine's cumulative EngineStats: what the orchestrator's
+        rollout/* metrics of where the time went are computed from (RolloutBackend.engine_metrics)."""
+        with self._lock:
+            return {"generated_tokens": self.generated_tokens, "wall_s": time.perf_counter() - self._started,
+                    **self._episode_s, **asdict(self.engine.engine.stats)}
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(state, version)
@@ -115,10 +124,11 @@ class RolloutWorker:
             # Each episode its own block of turn seeds: seed + i with +1 per turn gave episode i's second turn
             # the random numbers of episode i + 1's first.
             seed = task_seed(0, job.seed * job.group_size + i)
-            policy = EnginePolicy(self.engine, temperature=self.config.temperature, seed=seed,
-                                  timeout_s=self.config.timeout_s)
-            result = run_episode(_LatentPolicy(policy, self.config.tool_latency_s), self.tokenizer, task, self.pool,
-                                 agent, episode_id=f"{job.group_id}-{i}")
+            policy = _LatentPolicy(EnginePolicy(self.engine, temperature=self.config.temperature, seed=seed,
+                                                timeout_s=self.config.timeout_s), self.config.tool_latency_s)
+            t0 = time.perf_counter()
+            result = run_episode(policy, self.tokenizer, task, self.pool, agent, episode_id=f"{job.group_id}-{i}")
+            t1 = time.perf_counter()
             g = grade(task, result.workspace.snapshot(), self.grader, include_hidden=True,
                       timeout_s=agent.test_timeout_s)
             episode = result.episode
@@ -127,6 +137,10 @@ class RolloutWorker:
                                     tests_passed=g.tests_passed, tests_failed=g.tests_failed)
             with self._lock:
                 self.generated_tokens += episode.num_generated
+                times = self._episode_s
+                times["episode_s"] += t1 - t0
+                times["policy_s"] += policy.policy_s
+                times["grade_s"] += time.perf_counter() - t1
             return episode
 
         return list(self.episodes.map(one, range(job.group_size)))
