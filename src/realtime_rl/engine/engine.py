@@ -73,12 +73,11 @@ from realtime_rl.engine.graphs import DecodeGraphs
 from realtime_rl.engine.requests import (
     Request, RequestOutput, Seq, check_request, finish_reason, notify, request_output,
 )
-from realtime_rl.engine.sampling import SamplingParams
+from realtime_rl.engine.sampling import SamplingParams, draw_tokens
 from realtime_rl.engine.slots import SlotTable, decode_slots
 from realtime_rl.model import KVCache, Qwen3ForCausalLM, Tokenizer
 from realtime_rl.model.kv_cache import SharedRows, SlotRows, SlotWindow
 from realtime_rl.model.moe import grouped_experts
-from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -418,27 +417,14 @@ class Engine:
 
     def _sample(self, seqs: list[Seq], logits_BV: torch.Tensor) -> None:
         params = [s.req.params for s in seqs]
-        dev = logits_BV.device
-        lp_BV, raw_BV = sampling_logprobs(
-            logits_BV,
-            torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], device=dev),
-            torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
-            filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            unit_temperature=all(p.temperature == 1 for p in params),
-        )
-        tokens = sample_rows(lp_BV, [p.temperature == 0 for p in params], [s.generator for s in seqs])
-        tok_B = torch.tensor(tokens, device=dev)
-        chosen = lp_BV.gather(1, tok_B[:, None])[:, 0].tolist()
-        chosen_raw = raw_BV.gather(1, tok_B[:, None])[:, 0].tolist()
-        k_max = max(p.top_logprobs for p in params)
-        top = raw_BV.topk(k_max, dim=-1) if k_max else None
+        drawn = draw_tokens(logits_BV, params, [s.generator for s in seqs])
+        top = drawn.top
         now = time.perf_counter()
         for b, s in enumerate(seqs):
-            token = tokens[b]
+            token = drawn.tokens[b]
             s.token_ids.append(token)
-            s.logprobs.append(0.0 if params[b].temperature == 0 else chosen[b])
-            s.raw_logprobs.append(chosen_raw[b])
+            s.logprobs.append(0.0 if params[b].temperature == 0 else drawn.logprobs[b])
+            s.raw_logprobs.append(drawn.raw_logprobs[b])
             s.versions.append(self.version)
             if top is not None and params[b].top_logprobs:
                 k = params[b].top_logprobs

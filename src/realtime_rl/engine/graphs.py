@@ -82,9 +82,7 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= rows)
         length = length_bucket(max(positions) + 1, self.max_seq_len)
         host = self._host_3B
-        host[0, :rows] = torch.tensor(tokens)
-        host[1, :rows] = torch.tensor(positions)
-        host[2, :rows] = torch.tensor(slots)
+        host[:, :rows] = torch.tensor((tokens, positions, slots))
         host[:2, rows:bucket] = 0
         host[2, rows:bucket] = self.scratch_slot
         self.inputs_3B[:, :bucket].copy_(host[:, :bucket], non_blocking=self.capture)

@@ -1,8 +1,14 @@
-"""Sampling parameters of an engine request; the math lives in `realtime_rl.model.sampling`."""
+"""Sampling parameters of an engine request, and one decode step's draw for a batch of rows
+(`draw_tokens`); the math lives in `realtime_rl.model.sampling`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
+
+from realtime_rl.model.sampling import sample_rows, sampling_logprobs
 
 
 @dataclass
@@ -43,3 +49,35 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+@dataclass
+class Draw:
+    """One token per row, with its logprob under the distribution sampled from and under the untempered
+    model's, and the untempered top alternatives (None when no row asks for any)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    raw_logprobs: list[float]
+    top: torch.return_types.topk | None
+
+
+def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator]) -> Draw:
+    """Each row's next token under its own params, drawn with its own generator. The path (filtered or not,
+    all at T = 1 or not) is chosen from the params on the host, so a GPU's logits are read only for the tokens
+    and their logprobs."""
+    dev = logits_BV.device
+    lp_BV, raw_BV = sampling_logprobs(
+        logits_BV,
+        torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], device=dev),
+        torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+        filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
+        unit_temperature=all(p.temperature == 1 for p in params),
+    )
+    tokens = sample_rows(lp_BV, [p.temperature == 0 for p in params], list(generators))
+    tok_B1 = torch.tensor(tokens, device=dev)[:, None]
+    k_max = max(p.top_logprobs for p in params)
+    return Draw(tokens, lp_BV.gather(1, tok_B1)[:, 0].tolist(), raw_BV.gather(1, tok_B1)[:, 0].tolist(),
+                raw_BV.topk(k_max, dim=-1) if k_max else None)
