@@ -423,7 +423,7 @@ class Engine:
         for b, s in enumerate(seqs):
             token = drawn.tokens[b]
             s.token_ids.append(token)
-            s.logprobs.append(0.0 if params[b].temperature == 0 else drawn.logprobs[b])
+            s.logprobs.append(drawn.logprobs[b])
             s.raw_logprobs.append(drawn.raw_logprobs[b])
             s.versions.append(self.version)
             if top is not None and params[b].top_logprobs:

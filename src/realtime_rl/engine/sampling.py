@@ -53,8 +53,9 @@ class SamplingParams:
 
 @dataclass
 class Draw:
-    """One token per row, with its logprob under the distribution sampled from and under the untempered
-    model's, and the untempered top alternatives (None when no row asks for any)."""
+    """One token per row, with its logprob under the distribution sampled from (0.0 for a greedy row: the
+    argmax is certain) and under the untempered model's, and the untempered top alternatives (None when no row
+    asks for any)."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -79,5 +80,6 @@ def draw_tokens(logits_BV: torch.Tensor, params: Sequence[SamplingParams],
     tokens = sample_rows(lp_BV, [p.temperature == 0 for p in params], list(generators))
     tok_B1 = torch.tensor(tokens, device=dev)[:, None]
     k_max = max(p.top_logprobs for p in params)
-    return Draw(tokens, lp_BV.gather(1, tok_B1)[:, 0].tolist(), raw_BV.gather(1, tok_B1)[:, 0].tolist(),
-                raw_BV.topk(k_max, dim=-1) if k_max else None)
+    chosen = lp_BV.gather(1, tok_B1)[:, 0].tolist()
+    return Draw(tokens, [0.0 if p.temperature == 0 else lp for p, lp in zip(params, chosen)],
+                raw_BV.gather(1, tok_B1)[:, 0].tolist(), raw_BV.topk(k_max, dim=-1) if k_max else None)
