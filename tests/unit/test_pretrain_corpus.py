@@ -168,6 +168,15 @@ def test_solutions_carry_one_comment_per_stage_instead_of_the_docstring(tmp_path
         assert callable(_module(written, name))
 
 
+def test_a_docstring_wrapped_at_a_hyphen_gives_the_instructions_word_whole():
+    """textwrap breaks a docstring after a hyphen; the comment joins the word again, as the instructions write it."""
+    source = ('def words(text: str) -> list[str]:\n    """Break the text into its whitespace-\n    separated words; '
+              'return the resulting list of strings."""\n    return text.split()\n')
+    written = commented(source, instructions="Given a string `text`, it should break the text into its "
+                                             "whitespace-separated words.")
+    assert written.splitlines()[1] == "    # break the text into its whitespace-separated words"
+
+
 def test_classify_solution_names_the_script_that_wrote_a_first_attempt(tmp_path):
     """Every solution the corpus writes is classified as what it is; anything else is the model's own code."""
     kinds = set()

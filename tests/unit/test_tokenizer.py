@@ -122,6 +122,14 @@ def test_a_tokenizer_without_chatml_tokens_is_rejected(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+def test_a_number_is_split_whole_with_its_leading_space(tokenizer):
+    """Up to three digits and the space before them are one piece (Qwen splits single digits and leaves the
+    space alone): a constant the model copies is then keyed on the word before it, not on a space."""
+    pieces = [p for p, _ in tokenizer.hf.pre_tokenizer.pre_tokenize_str("keep the first 12 of 1234, x7 -2")]
+    assert [p.replace("\u0120", " ") for p in pieces] == [
+        "keep", " the", " first", " 12", " of", " 123", "4", ",", " x", "7", " -", "2"]
+
+
 def test_token_bytes_are_the_bytes_each_token_stands_for(tokenizer):
     """Concatenated, the tokens' bytes are the text's, characters split between tokens included (decode()
     of one such token is U+FFFD, whose bytes are not the token's)."""

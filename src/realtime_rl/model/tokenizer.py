@@ -5,7 +5,7 @@
     tok = Tokenizer.from_dir(ckpt_dir)                # ours, or a real Qwen3 checkpoint's tokenizer.json
     ids = tok.encode_chat(messages, tools, add_generation_prompt=True)
 
-The pipeline is Qwen2/Qwen3's: NFC normalization, the same split regex, byte-level mapping, BPE, and
+The pipeline is Qwen2/Qwen3's: NFC normalization, its split regex (but for numbers), byte-level mapping, BPE, and
 the ChatML special tokens appended after the learned vocabulary. Special-token strings inside text are
 encoded as the special tokens (as transformers and vLLM do); callers that must not allow that
 escape untrusted text first.
@@ -26,9 +26,14 @@ from realtime_rl.model.chat import (
 )
 from realtime_rl.types import ChatMessage
 
-# The pre-tokenizer split of Qwen2/Qwen3 (letters, single digits, punctuation runs, newlines, spaces).
+# The pre-tokenizer split of Qwen2/Qwen3 (letters, punctuation runs, newlines, spaces) but for numbers: Qwen splits
+# single digits and leaves the space before a number on its own; here a number of up to three digits keeps its
+# leading space (" 12"), as GPT-2 and cl100k split. A small model copies a constant from the instructions into
+# its code by matching the token before it: " first", " 12" is a copy keyed on " first", while " first", " ",
+# "1", "2" keys every digit on a space or a digit that precede many numbers (BENCHMARKS.md, pretrain, "Numbers").
 SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
 )
 # Control tokens are "special" (dropped by decode(skip_special_tokens=True)); tool tags stay visible.
 _CONTROL = {ENDOFTEXT, IM_START, IM_END}

@@ -51,7 +51,7 @@ from realtime_rl.environments.tools import QUESTION_TOOL, TOOL_SCHEMAS, Tools, W
 from realtime_rl.environments.users import EditOutcome, UserProfile, followup_messages, react, read_answer
 from realtime_rl.model import Tokenizer, parse_assistant, render_messages
 
-CORPUS_FORMAT = 4  # 4: test-run observations carry no wall time (the warm runner prints none)
+CORPUS_FORMAT = 5  # 5: numbers tokenized whole with their space; a docstring wrapped at a hyphen rejoined without one
 """Bumped whenever the documents change for the same config (the corpus cache key includes it)."""
 RENAME_FRACTION = 0.5
 """Share of tasks whose function gets a random name (see `renamed`)."""
@@ -91,7 +91,7 @@ def commented(source: str, missing_stage: int | None = None, instructions: str =
     """
     lines = source.splitlines()
     end = next(i for i in range(1, len(lines)) if lines[i].rstrip().endswith('"""'))
-    summary = " ".join(line.strip() for line in lines[1:end + 1]).strip('"')
+    summary = re.sub(r"(?<=\w-) (?=\w)", "", " ".join(line.strip() for line in lines[1:end + 1])).strip('"')
     steps = summary.rsplit("; return the resulting ", 1)[0].split(", then ")
     body = lines[end + 1:]
     if len(body) not in (len(steps), len(steps) - 1) or (len(body) < len(steps) and missing_stage is None):
