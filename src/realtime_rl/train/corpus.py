@@ -91,7 +91,9 @@ def commented(source: str, missing_stage: int | None = None, instructions: str =
     """
     lines = source.splitlines()
     end = next(i for i in range(1, len(lines)) if lines[i].rstrip().endswith('"""'))
-    summary = re.sub(r"(?<=\w-) (?=\w)", "", " ".join(line.strip() for line in lines[1:end + 1])).strip('"')
+    docstring = "\n".join(line.strip() for line in lines[1:end + 1])
+    # Lines join with a space, but for a wrap textwrap made after a hyphen ("whitespace-" / "separated").
+    summary = re.sub(r"(?<=\w-)\n(?=\w)", "", docstring).replace("\n", " ").strip('"')
     steps = summary.rsplit("; return the resulting ", 1)[0].split(", then ")
     body = lines[end + 1:]
     if len(body) not in (len(steps), len(steps) - 1) or (len(body) < len(steps) and missing_stage is None):
