@@ -143,6 +143,8 @@ def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
     assert sum(report["first_write"].values()) == 4
     assert set(report["first_write"]) <= {"reference", "novice", "other", "none"}
     assert sum(report["first_write_failed"].values()) == 4 - report["passed"]
+    for t in report["per_task"]:  # each task keeps what it wrote beside its kind, to read where it failed
+        assert (t["first_write"] is None) == (t["first_write_kind"] == "none")
     comments = report["stage_comments"]
     assert comments["right"] + comments["none"] + sum(comments["wrong_at_stage"].values()) == 4
     assert comments["none"] == report["first_write"].get("none", 0)

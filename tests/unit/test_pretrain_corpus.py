@@ -17,11 +17,12 @@ from realtime_rl.environments import generate_task, load_task
 from realtime_rl.environments.synthetic import reserved_structure, structure_split, task_set
 from realtime_rl.environments.synthetic_ops import structure_name, structures
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
-from realtime_rl.train.base_eval import heldout_tasks, wilson_interval
+from realtime_rl.model.qwen3 import ModelOutput
+from realtime_rl.train.base_eval import heldout_tasks, teacher_forced_misses, wilson_interval
 from realtime_rl.train.corpus import (
     MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution, commented, renamed,
-    shared_prefix_length, synthetic_tasks, tasks_per_difficulty, tokenizer_texts, without_docstring,
-    wrong_stage_comment,
+    shared_prefix_length, stage_comments, synthetic_tasks, tasks_per_difficulty, tokenizer_texts,
+    without_docstring, wrong_stage_comment,
 )
 from realtime_rl.train.packing import cheapest_cut
 from realtime_rl.train.pretrain import (
@@ -387,3 +388,53 @@ def test_wilson_interval():
     lo, hi = wilson_interval(50, 100)
     assert abs(lo - 0.4038) < 1e-3 and abs(hi - 0.5962) < 1e-3
     assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+
+
+class _Oracle(torch.nn.Module):
+    """Predicts each document's next token, except at the positions `wrong` maps to another token."""
+
+    def __init__(self, docs, vocab_size, wrong):
+        super().__init__()
+        self.next = {tuple(d.token_ids.tolist()): d.token_ids[1:].tolist() + [0] for d in docs}
+        self.vocab_size, self.wrong = vocab_size, wrong
+
+    def forward(self, ids):
+        key = tuple(ids[0].tolist())
+        logits = torch.zeros(1, len(key), self.vocab_size)
+        for t, token in enumerate(self.next[key]):
+            logits[0, t, self.wrong.get((key, t), token)] = 1.0
+        return ModelOutput(logits)
+
+
+def test_teacher_forced_misses_place_each_wrong_argmax_in_a_comment_the_code_or_the_call(tmp_path):
+    tasks = _tasks(tmp_path, 6)
+    tokenizer = _tokenizer(tasks)
+    docs = build_write_documents(tasks, tokenizer, expert_fraction=1.0, seed=0)
+    perfect = teacher_forced_misses(_Oracle(docs, tokenizer.vocab_size, {}), tokenizer, tasks)
+    assert perfect["perfect"] == 6 and not any(perfect["with_miss"].values())
+
+    def position(doc, where):  # the first policy token of the write whose decoded text passes `where`
+        positions = np.flatnonzero(doc.loss_mask)
+        return next(int(p) for p in positions
+                    if where(tokenizer.decode(doc.token_ids[positions[0]:p].tolist()),
+                             tokenizer.decode([int(doc.token_ids[p])])))
+
+    wrong = {}
+    has_digit = [any(ch.isdigit() for c in stage_comments(_solution(t, True, random.Random(0))) for ch in c)
+                 for t in tasks]
+    first, second = docs[has_digit.index(True)], docs[has_digit.index(True) + 1]
+    # in `first`, a constant in a stage comment, the code's first line and the call's first token are wrong
+    digit = position(first, lambda text, tok: "#" in text and any(ch.isdigit() for ch in tok))
+    code = position(first, lambda text, tok: "result" in tok or "return" in tok)
+    key = tuple(first.token_ids.tolist())
+    wrong[(key, digit - 1)] = wrong[(key, code - 1)] = wrong[(key, int(np.flatnonzero(first.loss_mask)[0]) - 1)] = 7
+    # in `second`, a word of a stage comment only
+    word = position(second, lambda text, tok: text.rsplit("\\n", 1)[-1].lstrip().startswith("#")
+                    and tok.strip().isalpha())
+    wrong[(tuple(second.token_ids.tolist()), word - 1)] = 7
+    report = teacher_forced_misses(_Oracle(docs, tokenizer.vocab_size, wrong), tokenizer, tasks)
+    assert report["perfect"] == 4 and report["only_digit_misses"] == 0
+    assert report["with_miss"] == {"comment_digit": 1, "comment_word": 1, "code_digit": 0, "code_word": 1, "call": 1}
+    missed = report["per_task"][has_digit.index(True)]["misses"]
+    assert [m["kind"] for m in missed] == ["call", "comment_digit", "code_word"]
+    assert report["per_task"][has_digit.index(True) + 1]["misses"][0]["predicted"] == tokenizer.decode([7])

@@ -13,6 +13,9 @@ re-evaluating one checkpoint gives the same score (without seeds one base checkp
 and 0.403 on the same 600 tasks, more than the lifts it was measured against). The 95% interval is
 Wilson's, over tasks.
 
+`teacher_forced_misses(model, tokenizer, tasks)` says where a base model's writes go wrong without sampling:
+each task's reference write fed through the model once, and the tokens whose argmax is another token.
+
 Not here: pass@k for k > 1, real (Exercism) tasks; `rtrl eval` runs those.
 """
 
@@ -30,7 +33,7 @@ from typing import Any
 from realtime_rl.config import AgentConfig
 from realtime_rl.environments import Task, generate_task, load_task
 from realtime_rl.evaluate import evaluate_checkpoint
-from realtime_rl.train.corpus import classify_solution, wrong_stage_comment
+from realtime_rl.train.corpus import build_write_documents, classify_solution, wrong_stage_comment
 
 EVAL_AGENT = AgentConfig(max_turns=8, max_new_tokens=384, summary_trigger_tokens=3072, max_context_tokens=4096,
                          max_summaries=0)
@@ -80,8 +83,8 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
 
     Returns pass_at_1, passed, tasks, ci95 (Wilson), by_difficulty {d: pass_at_1}, ended_by counts, mean
     turns, malformed tool calls, failed submits (submitted and failed the tests), the wall time and
-    per_task (one EpisodeOutcome dict per task: task_id, seed, passed, ended_by, turns, ..., with its
-    structure and first_write kind).
+    per_task (one EpisodeOutcome dict per task: task_id, seed, passed, ended_by, turns, first_write (the
+    text the first reply wrote), ..., with its structure and first_write_kind).
     first_write counts what the first reply wrote to the solution file (corpus.classify_solution: the
     reference, a novice variant, other code, none), first_write_failed the same over failed episodes: a base
     that fails as the novice can be sharpened toward the expert; one that writes "other" code cannot write the
@@ -135,7 +138,59 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
         "structure_mean_pass_at_1": sum(p / n for p, n in by_structure.values()) / len(by_structure),
         "by_structure": dict(sorted(by_structure.items(), key=lambda kv: -kv[1][1])),
         "minutes": (time.perf_counter() - t0) / 60,
-        "per_task": [{**asdict(o), "first_write": kind, "wrong_stage_comment": wrong,
+        "per_task": [{**asdict(o), "first_write_kind": kind, "wrong_stage_comment": wrong,
                       "structure": by_id[o.task_id].metadata["structure"]}
                      for o, kind, wrong in zip(outcomes, first_write, comment)],
     }
+
+
+MISS_KINDS = ("comment_digit", "comment_word", "code_digit", "code_word", "call")
+
+
+def _miss_kind(written: str, token: str) -> str:
+    """Where a policy token of a write sits, given the assistant text before it: a stage comment, the code (the
+    file's content, as the tool call's JSON escapes it), or the call around it; and whether it holds a digit."""
+    start = written.find('"content": "')
+    if start < 0:
+        return "call"
+    line = written[start:].rsplit("\\n", 1)[-1]
+    where = "comment" if line.lstrip().startswith("#") else "code"
+    return f"{where}_{'digit' if any(ch.isdigit() for ch in token) else 'word'}"
+
+
+def teacher_forced_misses(model: Any, tokenizer: Any, tasks: list[Task]) -> dict[str, Any]:
+    """Each task's first-turn reference document (corpus.build_write_documents, expert: the prompt, then
+    write_file of the commented reference) through `model` once; a policy token is missed where the argmax of
+    the logits before it is another token. No sampling, so it tells a model that cannot copy a constant or a
+    step's words from one that samples badly: a miss in a stage comment is a step or constant not copied from
+    the instructions, one in the code a stage written wrong under its comment.
+
+    Returns tasks, perfect (tasks with no miss), with_miss {kind: tasks with at least one miss of that kind,
+    for kind in MISS_KINDS}, only_digit_misses (tasks whose misses all hold digits) and per_task [{task_id,
+    misses: [{kind, target, predicted, line}]}] (line: the written line up to the miss)."""
+    import torch
+
+    docs = build_write_documents(tasks, tokenizer, expert_fraction=1.0, seed=0)
+    per_task, with_miss, perfect, only_digits = [], Counter(), 0, 0
+    for task, doc in zip(tasks, docs):
+        with torch.no_grad():
+            logits = model(torch.as_tensor(doc.token_ids, dtype=torch.long)[None]).logits_BTV[0]
+        predicted = logits.argmax(-1).tolist()
+        ids = doc.token_ids.tolist()
+        positions = [int(p) for p in doc.loss_mask.nonzero()[0]]
+        misses = []
+        for p in positions:
+            if predicted[p - 1] == ids[p]:
+                continue
+            written = tokenizer.decode(ids[positions[0]:p])
+            target = tokenizer.decode([ids[p]])
+            misses.append({"kind": _miss_kind(written, target), "target": target,
+                           "predicted": tokenizer.decode([predicted[p - 1]]),
+                           "line": written.rsplit("\\n", 1)[-1][-80:]})
+        kinds = {m["kind"] for m in misses}
+        with_miss.update(kinds)
+        perfect += not misses
+        only_digits += bool(misses) and all(k.endswith("_digit") for k in kinds)
+        per_task.append({"task_id": task.task_id, "misses": misses})
+    return {"tasks": len(tasks), "perfect": perfect, "with_miss": {k: with_miss[k] for k in MISS_KINDS},
+            "only_digit_misses": only_digits, "per_task": per_task}
