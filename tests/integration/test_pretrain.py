@@ -31,7 +31,8 @@ TINY_MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layer
 
 def tiny(run_dir, **overrides) -> PretrainConfig:
     base = dict(run_dir=run_dir, num_tasks=40, steps=12, batch_size=4, warmup_steps=2, log_every=3,
-                checkpoint_every=3, model=TINY_MODEL, tokenizer=TokenizerTrainConfig(vocab_size=1024), threads=1)
+                checkpoint_every=3, model=TINY_MODEL, tokenizer=TokenizerTrainConfig(vocab_size=1024), threads=1,
+                processes=1)
     return PretrainConfig(**{**base, **overrides})
 
 
@@ -71,9 +72,10 @@ def test_loss_falls(tmp_path):
         assert loss(trained) < 0.7 * loss(fresh)
 
 
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, processes):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    long = dict(steps=24, checkpoint_every=4, log_every=4)  # the kill lands long before the end
+    long = dict(steps=24, checkpoint_every=4, log_every=4, processes=processes)  # the kill lands long before the end
     pretrain(tiny(whole, **long), show_progress=False)
     # A corpus build runs real sandboxed tests, whose outcome can hinge on load (a timeout); a resumed
     # run reads its cached corpus, so the second run starts from the same cache.
@@ -92,7 +94,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     while not (killed / "checkpoints" / "step-0000004").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)  # process 0; the others find it gone at their next gradient sum
     proc.wait(10)
     assert not (killed / "checkpoints" / "step-0000024").exists(), "the run finished before the kill"
     pretrain(tiny(killed, **long), show_progress=False)  # resumes from its newest checkpoint
@@ -100,6 +102,25 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     a = load_file(whole / "checkpoints" / "step-0000024" / "model.safetensors")
     b = load_file(killed / "checkpoints" / "step-0000024" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_processes_train_the_weights_one_does(tmp_path):
+    """Data parallel: each process's share of a step, gradients summed: one process's run up to float order."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    steps = dict(steps=6, checkpoint_every=6, log_every=1)
+    single = pretrain(tiny(one, **steps), show_progress=False)
+    two.mkdir()
+    for corpus in one.glob("corpus-*"):  # the same documents (a corpus build runs real, load-sensitive tests)
+        shutil.copytree(corpus, two / corpus.name)
+    double = pretrain(tiny(two, processes=2, **steps), show_progress=False)
+    assert (single["processes"], double["processes"]) == (1, 2)
+    assert double["pretrain/loss"] == pytest.approx(single["pretrain/loss"], rel=1e-4)
+    a = load_file(one / "checkpoints" / "step-0000006" / "model.safetensors")
+    b = load_file(two / "checkpoints" / "step-0000006" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
+    logged = [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]  # process 0 alone logs
+    assert not list(two.glob(".group-*")), "the rendezvous file is removed"
 
 
 def test_ensure_base_model_reuses_a_model_built_from_the_same_config(tmp_path):

@@ -5,6 +5,7 @@ batches replay from the step number, and the config hash tells models apart."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from realtime_rl.train.corpus import (
 from realtime_rl.train.packing import cheapest_cut
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_OVERHEAD_TOKENS, MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss,
-    micro_batches, prefix_cache,
+    micro_batches, prefix_cache, processes_for, share, step_documents,
 )
 
 
@@ -326,6 +327,25 @@ def test_batches_replay_from_the_step_and_stay_within_the_token_budget(tmp_path)
     assert all(ids.numel() <= MICRO_BATCH_TOKENS or len(ids) == 1 for ids, _ in a)
     c = batch_for_step(docs, 8, 12, seed=3, pad_id=0, prefix_len=10)
     assert not all(x.shape == y.shape and torch.equal(x, y) for (x, _), (y, _) in zip(a, c))
+    # Data parallel: process r of 3 takes its share; the shares hold each document once, about as many tokens each.
+    rows = step_documents(docs, 7, 12, seed=3)
+    shares = [batch_for_step(docs, 7, 12, seed=3, pad_id=0, prefix_len=10, rank=r, world=3) for r in range(3)]
+    assert sum(len(ids) for share in shares for ids, _ in share) == 12
+    tokens = [sum(int((ids != 0).sum()) for ids, _ in share) for share in shares]
+    assert max(tokens) - min(tokens) <= max(len(docs[i].token_ids) - 10 for i in rows)
+    whole = sorted(tuple(row[mask_row].tolist()) for ids, mask in a for row, mask_row in zip(ids, mask))
+    split = sorted(tuple(row[mask_row].tolist()) for share in shares for ids, mask in share
+                   for row, mask_row in zip(ids, mask))
+    assert whole == split and len(rows) == 12
+
+
+def test_shares_give_each_process_about_as_many_tokens():
+    assert share([10, 20, 30, 40], 1) == [0, 0, 0, 0]
+    assert share([10, 20, 30, 40], 2) == [0, 1, 1, 0]  # 40 + 10 | 30 + 20
+    assert share([100, 100, 100], 2) == [0, 1, 0]
+    owner = share(list(range(100, 116)), 4)
+    loads = [sum(n for n, r in zip(range(100, 116), owner) if r == k) for k in range(4)]
+    assert sorted(owner) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 and max(loads) - min(loads) <= 4
 
 
 def test_micro_batches_are_the_cheapest_cut_within_the_token_budget():
@@ -364,10 +384,21 @@ def test_micro_batches_are_the_cheapest_cut_within_the_token_budget():
 def test_config_hash_ignores_where_a_run_goes_but_not_what_it_trains():
     base = PretrainConfig()
     assert config_hash(base) == config_hash(base.model_copy(update={"run_dir": "elsewhere", "threads": 1,
-                                                                     "log_every": 3, "checkpoint_every": 7}))
+                                                                     "processes": 2, "log_every": 3,
+                                                                     "checkpoint_every": 7}))
     assert config_hash(base) != config_hash(base.model_copy(update={"lr": base.lr / 2}))
     assert config_hash(base) != config_hash(base.model_copy(update={"episode_fraction": base.episode_fraction / 2}))
     assert config_hash(base) != config_hash(base.model_copy(update={"reserve_structures": True}))
+
+
+def test_processes_default_to_one_per_cpu_sharing_the_cpus(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert processes_for(PretrainConfig()) == (2, 1)
+    assert processes_for(PretrainConfig(processes=1)) == (1, 2)
+    assert processes_for(PretrainConfig(processes=1, threads=1)) == (1, 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert processes_for(PretrainConfig()) == (4, 4)
+    assert processes_for(PretrainConfig(batch_size=2)) == (2, 8)
 
 
 def test_the_config_defaults_are_the_default_recipe():

@@ -82,7 +82,8 @@ def smoke_base(run_dir: Path) -> Path:
                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, tie_word_embeddings=False)
     result = pretrain(PretrainConfig(run_dir=run_dir, num_tasks=40, steps=20, batch_size=4, warmup_steps=2,
-                                     checkpoint_every=20, model=model, tokenizer=TokenizerTrainConfig(vocab_size=1024)),
+                                     checkpoint_every=20, model=model, tokenizer=TokenizerTrainConfig(vocab_size=1024),
+                                     processes=1),  # starting a second process would take longer than the run
                       show_progress=False)
     return Path(result["checkpoint"])
 

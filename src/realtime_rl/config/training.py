@@ -87,7 +87,11 @@ class PretrainConfig(StrictModel):
     resume: bool = True
     """Continue from the newest checkpoint in run_dir when there is one."""
     threads: int | None = Field(None, ge=1, le=1024)
-    """torch threads (None: torch's default)."""
+    """torch threads per process (None: the CPUs this process may use, shared among `processes`)."""
+    processes: int | None = Field(None, ge=1, le=64)
+    """Data-parallel processes: each computes the gradient of its share of a step's documents and they sum
+    them (gloo all-reduce) before every process takes the same optimizer step. The weights differ from one
+    process's only in the order of float sums. None: one per CPU, at most MAX_AUTO_PROCESSES and batch_size."""
 
     @model_validator(mode="before")
     @classmethod

@@ -18,22 +18,33 @@ it to learn to read differently). The LM head runs only where a token is trained
 sorted by length and cut where padding would cost more than another micro-batch (`micro_batches`: at most
 MICRO_BATCH_TOKENS each, padded to its own longest), so little compute goes to padding.
 
-Not here: RL (rl.py), data parallelism, mixed precision on CPU.
+Data parallel on CPU cores (`processes`, one per CPU by default): this model's matrices are too small for
+torch's intra-op threads to keep many cores busy, so each process takes a share of the step's documents (about
+as many tokens each), computes their gradient, and the processes sum the gradients (one gloo all-reduce of a
+flat buffer) before each takes the same AdamW step from the same state. Process 0 logs and
+checkpoints; the others start from the same checkpoint, or the same seeded initialisation, and end with the run.
+
+Not here: RL (rl.py), mixed precision on CPU.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -61,8 +72,12 @@ TOKENIZER_TASKS = 2000
 CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "expert_fraction", "episode_expert_fraction",
                  "fix_rate", "question_fraction", "followup_fraction", "tokenizer", "reserve_structures",
                  "difficulty_weights", "exclude_heldout_parts")
-RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "log_every", "checkpoint_every"}
-"""Fields that do not change the weights a run ends with."""
+RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "processes", "log_every", "checkpoint_every"}
+"""Fields that do not change the weights a run ends with (threads and processes: up to the order of float sums)."""
+MAX_AUTO_PROCESSES = 4
+"""`processes = None` runs one process per CPU, at most this many (a step's 16 documents, 4 each)."""
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+"""How long a process waits for the others at a gradient sum (a checkpoint write is the longest gap)."""
 LATER_FIELDS = {"reserve_structures": False, "difficulty_weights": None, "exclude_heldout_parts": False}
 """Fields added after bases were cached, with the value that builds what came before them: hashed only at
 another value, so those bases and corpora keep their hashes."""
@@ -131,13 +146,31 @@ def lr_at(step: int, config: PretrainConfig) -> float:
     return warmup_cosine(step, config.lr, config.warmup_steps, decay_steps, config.min_lr_ratio)
 
 
-def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, pad_id: int, prefix_len: int = 0
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Micro-batches (ids [b, T], loss mask [b, T]) of the documents' tokens after `prefix_len`, for a step:
-    a function of (seed, step) only, so resumes replay it."""
+def step_documents(docs: list[Document], step: int, batch_size: int, seed: int) -> list[int]:
+    """The indices of a step's documents, shortest first: a function of (seed, step) only, so resumes replay it."""
     rng = np.random.default_rng([seed, step])
     picks = rng.choice(len(docs), size=batch_size, replace=len(docs) < batch_size)
-    picks = sorted(picks.tolist(), key=lambda i: (len(docs[i].token_ids), i))
+    return sorted(picks.tolist(), key=lambda i: (len(docs[i].token_ids), i))
+
+
+def share(lengths: list[int], world: int) -> list[int]:
+    """The process (0..world-1) each row goes to: longest first, each to the one with the fewest tokens so far
+    (the lowest-numbered on a tie), so the processes' forwards take about as long."""
+    load, owner = [0] * world, [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        owner[i] = min(range(world), key=lambda r: (load[r], r))
+        load[owner[i]] += lengths[i]
+    return owner
+
+
+def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, pad_id: int, prefix_len: int = 0,
+                   rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Micro-batches (ids [b, T], loss mask [b, T]) of the documents' tokens after `prefix_len`, for a step; of
+    process `rank` of `world`, its `share` of them."""
+    picks = step_documents(docs, step, batch_size, seed)
+    if world > 1:
+        owner = share([len(docs[i].token_ids) for i in picks], world)
+        picks = [i for i, r in zip(picks, owner) if r == rank]
     lengths = [len(docs[i].token_ids) - prefix_len for i in picks]
     chunks = [picks[a:b] for a, b in micro_batches(lengths)]
     out = []
@@ -208,26 +241,19 @@ def _built_by(checkpoint: Path) -> str | None:
     return json.loads(meta.read_text())["config_hash"] if meta.is_file() else None
 
 
-def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, Any]:
-    run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    t_start = time.perf_counter()
-    start_step = 0
-    resume_from = latest_checkpoint(run_dir, config_hash(config)) if config.resume else None
-    if config.resume and resume_from is None and (other := latest_checkpoint(run_dir)) is not None:
-        raise ValueError(f"{other} was built from another config (hash {_built_by(other)}, this one is "
-                         f"{config_hash(config)}): use another run_dir, or set resume=false to start over")
-    tokenizer, docs = prepare_corpus(config)
-    corpus_s = time.perf_counter() - t_start
-    prefix_len = shared_prefix_length(docs, limit=4096)
-    prefix_ids = torch.from_numpy(docs[0].token_ids[:prefix_len].astype(np.int64))
+def processes_for(config: PretrainConfig) -> tuple[int, int]:
+    """(processes, torch threads per process) a run uses: the config's, else one process per CPU this process
+    may use (at most MAX_AUTO_PROCESSES and batch_size) sharing them."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = config.processes or max(1, min(cpus, MAX_AUTO_PROCESSES, config.batch_size))
+    return processes, config.threads or max(1, cpus // processes)
 
+
+def _model_and_optimizer(config: PretrainConfig, tokenizer: Tokenizer, resume_from: Path | None
+                         ) -> tuple[Qwen3ForCausalLM, torch.optim.Optimizer, int]:
+    """The model and AdamW, fresh from the seed or as the checkpoint left them, and the step to start at."""
     if resume_from is not None:
         model = load_checkpoint(resume_from, dtype=torch.float32).model
-        state = torch.load(resume_from / "trainer_state.pt", weights_only=True)
-        start_step = state["step"]
     else:
         torch.manual_seed(config.seed)
         vocab = -(-tokenizer.vocab_size // 64) * 64
@@ -238,34 +264,73 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
-    if resume_from is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    if resume_from is None:
+        return model, optimizer, 0
+    state = torch.load(resume_from / "trainer_state.pt", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    return model, optimizer, state["step"]
 
-    sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([ConsoleSink()] if not show_progress else []))
+
+def _sum_over_processes(params: list[torch.nn.Parameter], loss: float) -> float:
+    """Every process's gradients summed in place (one all-reduce of a flat buffer); a parameter no process
+    gave a gradient keeps none, as with one process. Returns the summed loss."""
+    grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+    has_grad = torch.tensor([float(p.grad is not None) for p in params])
+    flat = torch.cat([*grads, has_grad, torch.tensor([loss])])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+        offset += g.numel()
+    for p, present in zip(params, flat[offset:offset + len(params)].tolist()):
+        if not present:
+            p.grad = None
+    return float(flat[-1])
+
+
+def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], resume_from: Path | None,
+           rank: int = 0, world: int = 1, show_progress: bool = False, t_start: float = 0.0) -> dict[str, Any]:
+    """The step loop of process `rank` of `world`: its share of each step's gradient, summed over the processes;
+    process 0 logs and checkpoints. Returns the last logged metrics (process 0's)."""
+    run_dir = Path(config.run_dir)
+    prefix_len = shared_prefix_length(docs, limit=4096)
+    prefix_ids = torch.from_numpy(docs[0].token_ids[:prefix_len].astype(np.int64))
+    model, optimizer, start_step = _model_and_optimizer(config, tokenizer, resume_from)
+    params = list(model.parameters())
+    if world > 1:  # the same start everywhere, whatever each process's initialisation did
+        for p in params:
+            dist.broadcast(p.data, src=0)
+    lead = rank == 0
+    sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([ConsoleSink()] if not show_progress else [])) \
+        if lead else MultiSink()
     last: dict[str, Any] = {}
     columns = (TextColumn("pretrain"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, disable=not show_progress) as progress:
+    with Progress(*columns, disable=not (show_progress and lead)) as progress:
         bar = progress.add_task("pretrain", total=config.steps, completed=start_step, info="")
         window_steps, window_tokens, window_loss, window_t0 = 0, 0, 0.0, time.perf_counter()
         for step in range(start_step, config.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, config)
-            micro = batch_for_step(docs, step, config.batch_size, config.seed, tokenizer.pad_token_id, prefix_len)
+            rows = step_documents(docs, step, config.batch_size, config.seed)
+            targets = sum(int(docs[i].loss_mask[prefix_len + 1:].sum()) for i in rows)
+            micro = batch_for_step(docs, step, config.batch_size, config.seed, tokenizer.pad_token_id, prefix_len,
+                                   rank, world)
             prefix = prefix_cache(model, prefix_ids)
-            targets = sum(int(mask[:, 1:].sum()) for _, mask in micro)
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             for ids, mask in micro:
                 loss = masked_next_token_loss(model, ids, mask, prefix, reduction="sum") / targets
                 loss.backward()
                 step_loss += loss.item()
-                window_tokens += int((ids != tokenizer.pad_token_id).sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            if world > 1:
+                step_loss = _sum_over_processes(params, step_loss)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
             optimizer.step()
             window_loss += step_loss
             window_steps += 1
-            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+            window_tokens += sum(len(docs[i].token_ids) - prefix_len for i in rows)
+            if lead and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
                 elapsed = time.perf_counter() - window_t0
                 last = {"pretrain/loss": window_loss / window_steps, "pretrain/grad_norm": grad_norm.item(),
                         "pretrain/lr": lr_at(step, config), "pretrain/tokens_per_s": window_tokens / elapsed,
@@ -273,12 +338,78 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
                 sink.log(last, step + 1)
                 progress.update(bar, info=f"loss {last['pretrain/loss']:.3f}")
                 window_steps, window_tokens, window_loss, window_t0 = 0, 0, 0.0, time.perf_counter()
-            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            if lead and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
                 _save(run_dir, step + 1, model, tokenizer, optimizer, config)
             progress.update(bar, completed=step + 1)
     sink.close()
+    return last
+
+
+def _process_main(rank: int, world: int, threads: int, init_file: str, config: PretrainConfig,
+                  resume_from: Path | None) -> None:
+    """A data-parallel process other than 0: joins the group, reads the cached corpus, trains its shares."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        tokenizer, docs = prepare_corpus(config)
+        _train(config, tokenizer, docs, resume_from, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _process_group(config: PretrainConfig, world: int, threads: int, resume_from: Path | None) -> Iterator[None]:
+    """Processes 1..world-1 started (spawned: a fork would copy torch's thread pools) and this one joined with
+    them as process 0; on the way out they are waited for, or stopped if this one failed."""
+    if world == 1:
+        yield
+        return
+    init_file = Path(tempfile.mkdtemp(dir=config.run_dir, prefix=".group-")).resolve() / "store"  # a file:// URL
+    context = multiprocessing.get_context("spawn")
+    others = [context.Process(target=_process_main, args=(rank, world, threads, str(init_file), config, resume_from),
+                              name=f"pretrain-{rank}", daemon=True) for rank in range(1, world)]
+    for proc in others:
+        proc.start()
+    ok = False
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=world,
+                                timeout=COLLECTIVE_TIMEOUT)
+        try:
+            yield
+            ok = True
+        finally:
+            dist.destroy_process_group()
+    finally:
+        for proc in others:
+            proc.join(timeout=60 if ok else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        init_file.unlink(missing_ok=True)
+        init_file.parent.rmdir()
+    failed = [f"{proc.name} (exit code {proc.exitcode})" for proc in others if proc.exitcode != 0]
+    if ok and failed:
+        raise RuntimeError(f"pre-training process failed: {', '.join(failed)}")
+
+
+def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, Any]:
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    world, threads = processes_for(config)
+    torch.set_num_threads(threads)
+    t_start = time.perf_counter()
+    resume_from = latest_checkpoint(run_dir, config_hash(config)) if config.resume else None
+    if config.resume and resume_from is None and (other := latest_checkpoint(run_dir)) is not None:
+        raise ValueError(f"{other} was built from another config (hash {_built_by(other)}, this one is "
+                         f"{config_hash(config)}): use another run_dir, or set resume=false to start over")
+    tokenizer, docs = prepare_corpus(config)  # built and cached here, before the other processes read it
+    corpus_s = time.perf_counter() - t_start
+    with _process_group(config, world, threads, resume_from):
+        last = _train(config, tokenizer, docs, resume_from, 0, world, show_progress, t_start)
     final = run_dir / "checkpoints" / f"step-{config.steps:07d}"  # this run's, whatever else run_dir holds
-    return {"checkpoint": str(final), "steps": config.steps, "documents": len(docs), "prefix_tokens": prefix_len,
+    return {"checkpoint": str(final), "steps": config.steps, "documents": len(docs),
+            "prefix_tokens": shared_prefix_length(docs, limit=4096), "processes": world, "threads": threads,
             "corpus_s": corpus_s, "minutes": (time.perf_counter() - t_start) / 60, **last}
 
 
