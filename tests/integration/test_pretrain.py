@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,25 +84,35 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, processes):
     for corpus in whole.glob("corpus-*"):
         shutil.copytree(corpus, killed / corpus.name)
 
-    cmd = [sys.executable, "-m", "realtime_rl.cli", "pretrain"]
-    for k, v in tiny(killed, **long).model_dump(mode="json").items():
-        if isinstance(v, dict):
-            cmd += [arg for kk, vv in v.items() if vv is not None for arg in ("--set", f"{k}.{kk}={json.dumps(vv)}")]
-        elif v is not None:
-            cmd += ["--set", f"{k}={json.dumps(v)}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (killed / "checkpoints" / "step-0000004").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # process 0; the others find it gone at their next gradient sum
+    proc = subprocess.Popen(_cli(tiny(killed, **long)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(killed / "checkpoints" / "step-0000004", proc)
+    workers = _data_parallel_workers(proc.pid)
+    assert len(workers) == processes - 1
+    os.kill(proc.pid, signal.SIGKILL)  # process 0
     proc.wait(10)
     assert not (killed / "checkpoints" / "step-0000024").exists(), "the run finished before the kill"
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in workers):  # the others exit with it
+        assert time.monotonic() < deadline, "a data-parallel process outlived process 0"
+        time.sleep(0.1)
     pretrain(tiny(killed, **long), show_progress=False)  # resumes from its newest checkpoint
+    assert not list(killed.glob(".group-*")), "the killed run's rendezvous is cleared"
 
     a = load_file(whole / "checkpoints" / "step-0000024" / "model.safetensors")
     b = load_file(killed / "checkpoints" / "step-0000024" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_data_parallel_process_that_dies_stops_the_run_and_is_named(tmp_path):
+    proc = subprocess.Popen(_cli(tiny(tmp_path, steps=5000, checkpoint_every=2, processes=2)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "checkpoints" / "step-0000002", proc)
+    (worker,) = _data_parallel_workers(proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)  # at its next gradient sum, not at the collective timeout
+    assert proc.returncode != 0 and "data-parallel-1 (exit code -9) failed" in err
+    assert not (tmp_path / "checkpoints" / "step-0005000").exists()
+    assert not list(tmp_path.glob(".group-*"))
 
 
 def test_two_processes_train_the_weights_one_does(tmp_path):
@@ -112,7 +123,9 @@ def test_two_processes_train_the_weights_one_does(tmp_path):
     two.mkdir()
     for corpus in one.glob("corpus-*"):  # the same documents (a corpus build runs real, load-sensitive tests)
         shutil.copytree(corpus, two / corpus.name)
+    caller_threads = torch.get_num_threads()
     double = pretrain(tiny(two, processes=2, **steps), show_progress=False)
+    assert torch.get_num_threads() == caller_threads  # a run's threads=1 is its own
     assert (single["processes"], double["processes"]) == (1, 2)
     assert double["pretrain/loss"] == pytest.approx(single["pretrain/loss"], rel=1e-4)
     a = load_file(one / "checkpoints" / "step-0000006" / "model.safetensors")
@@ -175,3 +188,38 @@ def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
     assert sum(p for p, _ in report["by_structure"].values()) == report["passed"]
     assert report["structures"] == len(report["by_structure"]) and 0 <= report["structure_mean_pass_at_1"] <= 1
     assert all(t["structure"] in report["by_structure"] for t in report["per_task"])
+
+
+def _cli(config: PretrainConfig) -> list[str]:
+    """`rtrl pretrain` with every field of config set on the command line."""
+    cmd = [sys.executable, "-m", "realtime_rl.cli", "pretrain"]
+    for k, v in config.model_dump(mode="json").items():
+        if isinstance(v, dict):
+            cmd += [arg for kk, vv in v.items() if vv is not None for arg in ("--set", f"{k}.{kk}={json.dumps(vv)}")]
+        elif v is not None:
+            cmd += ["--set", f"{k}={json.dumps(v)}"]
+    return cmd
+
+
+def _wait_for(path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{path.name} did not appear"
+        time.sleep(0.05)
+
+
+def _data_parallel_workers(pid: int) -> list[int]:
+    """The spawned data-parallel processes of process `pid` (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if not children.exists():
+        pytest.skip("this kernel lists no child processes in /proc")
+    kids = [int(k) for k in children.read_text().split()]
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

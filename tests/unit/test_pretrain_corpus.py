@@ -25,10 +25,11 @@ from realtime_rl.train.corpus import (
     shared_prefix_length, stage_comments, synthetic_tasks, tasks_per_difficulty, tokenizer_texts,
     without_docstring, wrong_stage_comment,
 )
+from realtime_rl.train.data_parallel import share
 from realtime_rl.train.packing import cheapest_cut
 from realtime_rl.train.pretrain import (
     MICRO_BATCH_OVERHEAD_TOKENS, MICRO_BATCH_TOKENS, batch_for_step, config_hash, masked_next_token_loss,
-    micro_batches, prefix_cache, processes_for, share, step_documents,
+    micro_batches, prefix_cache, processes_for, step_documents,
 )
 
 
@@ -392,11 +393,11 @@ def test_config_hash_ignores_where_a_run_goes_but_not_what_it_trains():
 
 
 def test_processes_default_to_one_per_cpu_sharing_the_cpus(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)  # macOS has none
     assert processes_for(PretrainConfig()) == (2, 1)
     assert processes_for(PretrainConfig(processes=1)) == (1, 2)
     assert processes_for(PretrainConfig(processes=1, threads=1)) == (1, 1)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert processes_for(PretrainConfig()) == (4, 4)
     assert processes_for(PretrainConfig(batch_size=2)) == (2, 8)
 

@@ -18,11 +18,10 @@ it to learn to read differently). The LM head runs only where a token is trained
 sorted by length and cut where padding would cost more than another micro-batch (`micro_batches`: at most
 MICRO_BATCH_TOKENS each, padded to its own longest), so little compute goes to padding.
 
-Data parallel on CPU cores (`processes`, one per CPU by default): this model's matrices are too small for
-torch's intra-op threads to keep many cores busy, so each process takes a share of the step's documents (about
-as many tokens each), computes their gradient, and the processes sum the gradients (one gloo all-reduce of a
-flat buffer) before each takes the same AdamW step from the same state. Process 0 logs and
-checkpoints; the others start from the same checkpoint, or the same seeded initialisation, and end with the run.
+Data parallel on the CPU cores (`processes`, one per CPU by default; train/data_parallel.py): each process takes a
+`share` of the step's documents (about as many tokens each), computes their gradient, and the processes sum the
+gradients before each takes the same AdamW step from the same state. Process 0 logs and checkpoints; the others
+start from its weights and end with the run.
 
 Not here: RL (rl.py), mixed precision on CPU.
 """
@@ -31,20 +30,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import random
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -58,6 +52,7 @@ from realtime_rl.train.corpus import (
     CORPUS_FORMAT, Document, build_documents, build_followup_documents, build_write_documents, shared_prefix_length,
     synthetic_tasks, tokenizer_texts,
 )
+from realtime_rl.train.data_parallel import process_group, remove_stale_groups, same_start, share, sum_gradients
 from realtime_rl.train.packing import cheapest_cut
 from realtime_rl.train.schedule import warmup_cosine
 
@@ -76,8 +71,6 @@ RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "processes", "log_every", "ch
 """Fields that do not change the weights a run ends with (threads and processes: up to the order of float sums)."""
 MAX_AUTO_PROCESSES = 4
 """`processes = None` runs one process per CPU, at most this many (a step's 16 documents, 4 each)."""
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-"""How long a process waits for the others at a gradient sum (a checkpoint write is the longest gap)."""
 LATER_FIELDS = {"reserve_structures": False, "difficulty_weights": None, "exclude_heldout_parts": False}
 """Fields added after bases were cached, with the value that builds what came before them: hashed only at
 another value, so those bases and corpora keep their hashes."""
@@ -153,23 +146,13 @@ def step_documents(docs: list[Document], step: int, batch_size: int, seed: int) 
     return sorted(picks.tolist(), key=lambda i: (len(docs[i].token_ids), i))
 
 
-def share(lengths: list[int], world: int) -> list[int]:
-    """The process (0..world-1) each row goes to: longest first, each to the one with the fewest tokens so far
-    (the lowest-numbered on a tie), so the processes' forwards take about as long."""
-    load, owner = [0] * world, [0] * len(lengths)
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        owner[i] = min(range(world), key=lambda r: (load[r], r))
-        load[owner[i]] += lengths[i]
-    return owner
-
-
 def batch_for_step(docs: list[Document], step: int, batch_size: int, seed: int, pad_id: int, prefix_len: int = 0,
                    rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Micro-batches (ids [b, T], loss mask [b, T]) of the documents' tokens after `prefix_len`, for a step; of
     process `rank` of `world`, its `share` of them."""
     picks = step_documents(docs, step, batch_size, seed)
     if world > 1:
-        owner = share([len(docs[i].token_ids) for i in picks], world)
+        owner = share([len(docs[i].token_ids) for i in picks], world)  # prefix included: each row's attention reads it
         picks = [i for i, r in zip(picks, owner) if r == rank]
     lengths = [len(docs[i].token_ids) - prefix_len for i in picks]
     chunks = [picks[a:b] for a, b in micro_batches(lengths)]
@@ -271,23 +254,6 @@ def _model_and_optimizer(config: PretrainConfig, tokenizer: Tokenizer, resume_fr
     return model, optimizer, state["step"]
 
 
-def _sum_over_processes(params: list[torch.nn.Parameter], loss: float) -> float:
-    """Every process's gradients summed in place (one all-reduce of a flat buffer); a parameter no process
-    gave a gradient keeps none, as with one process. Returns the summed loss."""
-    grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
-    has_grad = torch.tensor([float(p.grad is not None) for p in params])
-    flat = torch.cat([*grads, has_grad, torch.tensor([loss])])
-    dist.all_reduce(flat)
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
-        offset += g.numel()
-    for p, present in zip(params, flat[offset:offset + len(params)].tolist()):
-        if not present:
-            p.grad = None
-    return float(flat[-1])
-
-
 def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], resume_from: Path | None,
            rank: int = 0, world: int = 1, show_progress: bool = False, t_start: float = 0.0) -> dict[str, Any]:
     """The step loop of process `rank` of `world`: its share of each step's gradient, summed over the processes;
@@ -297,12 +263,12 @@ def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], r
     prefix_ids = torch.from_numpy(docs[0].token_ids[:prefix_len].astype(np.int64))
     model, optimizer, start_step = _model_and_optimizer(config, tokenizer, resume_from)
     params = list(model.parameters())
-    if world > 1:  # the same start everywhere, whatever each process's initialisation did
-        for p in params:
-            dist.broadcast(p.data, src=0)
+    if world > 1:
+        same_start(params)
     lead = rank == 0
-    sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([ConsoleSink()] if not show_progress else [])) \
-        if lead else MultiSink()
+    sink = MultiSink()
+    if lead:
+        sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([ConsoleSink()] if not show_progress else []))
     last: dict[str, Any] = {}
     columns = (TextColumn("pretrain"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -324,7 +290,7 @@ def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], r
                 loss.backward()
                 step_loss += loss.item()
             if world > 1:
-                step_loss = _sum_over_processes(params, step_loss)
+                step_loss = sum_gradients(params, step_loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
             optimizer.step()
             window_loss += step_loss
@@ -345,59 +311,28 @@ def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], r
     return last
 
 
-def _process_main(rank: int, world: int, threads: int, init_file: str, config: PretrainConfig,
-                  resume_from: Path | None) -> None:
-    """A data-parallel process other than 0: joins the group, reads the cached corpus, trains its shares."""
+def _process_main(rank: int, world: int, threads: int, config: PretrainConfig, resume_from: Path | None) -> None:
+    """A data-parallel process other than 0: reads the cached corpus and trains its shares."""
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
-    try:
-        tokenizer, docs = prepare_corpus(config)
-        _train(config, tokenizer, docs, resume_from, rank, world)
-    finally:
-        dist.destroy_process_group()
-
-
-@contextmanager
-def _process_group(config: PretrainConfig, world: int, threads: int, resume_from: Path | None) -> Iterator[None]:
-    """Processes 1..world-1 started (spawned: a fork would copy torch's thread pools) and this one joined with
-    them as process 0; on the way out they are waited for, or stopped if this one failed."""
-    if world == 1:
-        yield
-        return
-    init_file = Path(tempfile.mkdtemp(dir=config.run_dir, prefix=".group-")).resolve() / "store"  # a file:// URL
-    context = multiprocessing.get_context("spawn")
-    others = [context.Process(target=_process_main, args=(rank, world, threads, str(init_file), config, resume_from),
-                              name=f"pretrain-{rank}", daemon=True) for rank in range(1, world)]
-    for proc in others:
-        proc.start()
-    ok = False
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=world,
-                                timeout=COLLECTIVE_TIMEOUT)
-        try:
-            yield
-            ok = True
-        finally:
-            dist.destroy_process_group()
-    finally:
-        for proc in others:
-            proc.join(timeout=60 if ok else 5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
-        init_file.unlink(missing_ok=True)
-        init_file.parent.rmdir()
-    failed = [f"{proc.name} (exit code {proc.exitcode})" for proc in others if proc.exitcode != 0]
-    if ok and failed:
-        raise RuntimeError(f"pre-training process failed: {', '.join(failed)}")
+    tokenizer, docs = prepare_corpus(config)
+    _train(config, tokenizer, docs, resume_from, rank, world)
 
 
 def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, Any]:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_groups(run_dir)
     world, threads = processes_for(config)
+    caller_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _pretrain(config, world, threads, show_progress)
+    finally:
+        torch.set_num_threads(caller_threads)
+
+
+def _pretrain(config: PretrainConfig, world: int, threads: int, show_progress: bool) -> dict[str, Any]:
+    run_dir = Path(config.run_dir)
     t_start = time.perf_counter()
     resume_from = latest_checkpoint(run_dir, config_hash(config)) if config.resume else None
     if config.resume and resume_from is None and (other := latest_checkpoint(run_dir)) is not None:
@@ -405,7 +340,7 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
                          f"{config_hash(config)}): use another run_dir, or set resume=false to start over")
     tokenizer, docs = prepare_corpus(config)  # built and cached here, before the other processes read it
     corpus_s = time.perf_counter() - t_start
-    with _process_group(config, world, threads, resume_from):
+    with process_group(run_dir, world, _process_main, (threads, config, resume_from)):
         last = _train(config, tokenizer, docs, resume_from, 0, world, show_progress, t_start)
     final = run_dir / "checkpoints" / f"step-{config.steps:07d}"  # this run's, whatever else run_dir holds
     return {"checkpoint": str(final), "steps": config.steps, "documents": len(docs),
