@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 
-from realtime_rl.train import LossConfig, group_advantages, k3, policy_loss
+from realtime_rl.train import LossConfig, group_advantages, k3, pass_at_k_advantages, policy_loss
 from realtime_rl.train.losses import length_normalized
 
 
@@ -34,6 +37,51 @@ def test_equal_rewards_give_exactly_zero_whatever_the_rounding_of_their_mean():
             for loo in (False, True):
                 adv = group_advantages(torch.full((size,), reward), leave_one_out=loo)
                 assert adv.abs().max() == 0, (size, reward, loo)
+
+
+def _best_of_k_by_enumeration(rewards: list[float], k: int) -> list[float]:
+    subsets = list(itertools.combinations(range(len(rewards)), k))
+    best = {s: max(rewards[i] for i in s) for s in subsets}
+    mean = sum(best.values()) / len(subsets)
+    std = math.sqrt(sum((b - mean) ** 2 for b in best.values()) / len(subsets))
+    return [(sum(b for s, b in best.items() if i in s) / math.comb(len(rewards) - 1, k - 1) - mean) / std
+            for i in range(len(rewards))]
+
+
+@pytest.mark.parametrize(("size", "k"), [(8, 4), (8, 2), (6, 3), (8, 1), (5, 4)])
+def test_pass_at_k_advantages_are_the_best_of_k_subsets_enumerated(size, k):
+    rewards = torch.randn(size, generator=torch.Generator().manual_seed(size * 10 + k))
+    rewards[1] = rewards[0]  # a tie
+    adv = pass_at_k_advantages(rewards, k)
+    assert adv.tolist() == pytest.approx(_best_of_k_by_enumeration(rewards.tolist(), k), rel=1e-4, abs=1e-5)
+    assert float(adv.sum()) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_pass_at_k_on_pass_fail_rewards_is_the_closed_form():
+    factors = []
+    for passes in range(1, 8):
+        rewards = torch.tensor([1.0] * passes + [0.0] * (8 - passes))
+        adv = pass_at_k_advantages(rewards, 4)
+        p_k = 1 - math.comb(8 - passes, 4) / math.comb(8, 4)
+        if passes > 8 - 4:  # every 4 of the 8 hold a pass: nothing to learn
+            assert adv.abs().max() == 0
+            continue
+        sigma = math.sqrt(p_k * (1 - p_k))
+        fail = (1 - p_k - math.comb(8 - passes - 1, 3) / math.comb(7, 3)) / sigma
+        assert adv[0] == pytest.approx((1 - p_k) / sigma, rel=1e-4)
+        assert adv[-1] == pytest.approx(fail, rel=1e-4)
+        factors.append(float(adv[0] / group_advantages(rewards)[0]))
+        assert adv.tolist() == pytest.approx((group_advantages(rewards) * factors[-1]).tolist(), rel=1e-4)
+    # two reward levels: GRPO's shape, scaled down as the group passes more
+    assert factors == sorted(factors, reverse=True) and factors[0] == pytest.approx(0.404, abs=1e-3)
+
+
+def test_pass_at_k_equal_rewards_and_k_of_the_whole_group_give_no_signal():
+    assert pass_at_k_advantages(torch.ones(8), 4).abs().max() == 0
+    assert pass_at_k_advantages(torch.tensor([0.3, 1.0, 0.0]), 3).abs().max() == 0  # one subset: the group
+    assert pass_at_k_advantages(torch.tensor([0.3, 1.0, 0.0]), 9).abs().max() == 0  # k clipped to the group
+    with pytest.raises(ValueError, match="k must be at least 1"):
+        pass_at_k_advantages(torch.ones(4), 0)
 
 
 def test_episode_aggregation_weighs_each_episode_the_same_whatever_its_length():

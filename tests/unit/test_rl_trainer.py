@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 
@@ -307,6 +308,19 @@ def test_negative_weight_scales_what_failed_and_zero_learns_only_from_what_worke
     assert metrics[0.0]["train/trained_sequences"] == len(above)  # below-baseline episodes: no forward at all
     with pytest.raises(ValueError):
         RLConfig(negative_weight=1.5)
+
+
+def test_pass_at_k_trains_only_groups_where_some_k_episodes_all_fail(tmp_path):
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    trainer = RLTrainer(_model(), None, RLConfig(group_size=8, pass_at_k=4), tmp_path)
+    engine.update_weights(trainer.weights(), 0)
+    passes = {"s0-p0": 6, "s0-p1": 2, "s0-p2": 4, "s0-p3": 0}  # per group; 6 > 8 - 4: every 4 hold a pass
+    episodes = [dataclasses.replace(e, passed=int(e.episode_id.rsplit("-", 1)[1]) < passes[e.group_id])
+                for e in _episodes(engine, 0)]
+    metrics = trainer.step(episodes)
+    assert metrics["train/trained_sequences"] == 16  # the groups with 2 and 4 passes
+    with pytest.raises(ValueError, match="leave_one_out"):
+        RLConfig(pass_at_k=4, leave_one_out=True)
 
 
 def test_entropy_coef_trains_every_episode_and_a_negative_one_sharpens_the_policy(tmp_path):

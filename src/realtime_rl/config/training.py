@@ -141,6 +141,9 @@ class RLConfig(StrictModel):
     """RLOO baseline (mean of the other episodes of the group) instead of the group mean."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (GRPO)."""
+    pass_at_k: int = Field(1, ge=1, le=1024)
+    """Above 1: advantages for the best of k episodes of a group (pass@k training, train/losses.py
+    pass_at_k_advantages), what an agent loop with k fresh attempts is graded on; 1: each episode's own reward."""
     loss_aggregation: Literal["token", "episode"] = "token"
     """token: every generated token of a step weighs the same (DAPO). episode: every episode weighs the
     same, its advantage rescaled by mean length / its length (verl's seq-mean-token-mean), so long failed
@@ -192,6 +195,13 @@ class RLConfig(StrictModel):
     """The forward/backward's compute dtype. float32: exact. bfloat16: mixed precision, as FSDP's and verl's
     default: matmuls and attention run in bf16 under autocast over fp32 weights, gradients and AdamW state;
     the LM head's log-softmax, the loss and the optimizer step stay fp32 (train/rl.py)."""
+
+
+    @model_validator(mode="after")
+    def _one_baseline(self) -> RLConfig:
+        if self.pass_at_k > 1 and self.leave_one_out:
+            raise ValueError("pass_at_k > 1 has its own baseline (the expected best of k); leave_one_out must be false")
+        return self
 
 
 class RolloutConfig(StrictModel):

@@ -7,11 +7,11 @@ Public API:
     traffic_episodes([(completion_record, choice_index, reward), ...]) -> episodes   # served traffic, exactly
 """
 
-from realtime_rl.train.losses import LossConfig, group_advantages, k3, policy_loss
+from realtime_rl.train.losses import LossConfig, group_advantages, k3, pass_at_k_advantages, policy_loss
 from realtime_rl.train.pretrain import ensure_base_model, latest_checkpoint, prepare_corpus, pretrain
 from realtime_rl.train.rl import RLTrainer, episode_reward, staleness
 from realtime_rl.train.traffic import sampled_at, traffic_episode, traffic_episodes, traffic_segment
 
 __all__ = ["LossConfig", "RLTrainer", "ensure_base_model", "episode_reward", "group_advantages", "k3",
-           "latest_checkpoint", "policy_loss", "prepare_corpus", "pretrain", "sampled_at", "staleness",
+           "latest_checkpoint", "pass_at_k_advantages", "policy_loss", "prepare_corpus", "pretrain", "sampled_at", "staleness",
            "traffic_episode", "traffic_episodes", "traffic_segment"]

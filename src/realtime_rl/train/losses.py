@@ -28,6 +28,7 @@ the forward passes. Not here: reward shaping (rewards/), the policy forward (rl.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,59 @@ def group_advantages(rewards_G: torch.Tensor, leave_one_out: bool = False, std_n
     if std_normalize:
         centered = centered / (rewards_G.std() + eps)
     return centered
+
+
+def pass_at_k_advantages(rewards_G: torch.Tensor, k: int, std_normalize: bool = True,
+                         eps: float = 1e-6) -> torch.Tensor:
+    """Advantages for the best of k episodes instead of each episode (pass@k training: Chen et al. 2025,
+    "Pass@k Training for Adaptively Balancing Exploration and Exploitation"; Walder & Karkhanis 2025, PKPO).
+
+    The objective is the expected max reward of k episodes drawn from the group without replacement (pass@k
+    for 0/1 rewards). Episode i's advantage is what a k-subset holding it scores, in expectation, minus what
+    any k-subset scores: A_i = E[max S | i in S] - E[max S]; std_normalize divides by the std of max S over
+    the subsets. Exact, from the sorted rewards (no enumeration): the max of a random k-subset is the j-th
+    smallest reward with probability C(j-1, k-1) / C(G, k). The advantages sum to 0.
+
+    With 0/1 rewards and P passes of G this is Chen et al.'s closed form: a pass gets (1 - p_k) / sigma, a
+    failure (1 - p_k - C(G-P-1, k-1) / C(G-1, k-1)) / sigma, p_k = 1 - C(G-P, k) / C(G, k). Two reward
+    levels leave one zero-sum shape, so within a group these are GRPO's advantages times a factor that falls
+    as the passes rise (G = 8, k = 4: 0.40 at one pass, 0.32, 0.23, 0.13 at four, 0 above G - k, where every
+    k-subset holds a pass): the step leans on the tasks the policy rarely solves. k = 1 is the mean baseline
+    over the population std. Where a loop grades the best of several fresh attempts (the agent loop's
+    `attempts`, `rtrl bench learn`'s evaluation), this trains what is measured.
+    """
+    rewards_G = rewards_G.double()
+    G = rewards_G.numel()
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    k = min(k, G)
+    if G < 2 or bool(rewards_G.max() == rewards_G.min()):
+        return torch.zeros(G)
+    order = torch.argsort(rewards_G, stable=True)
+    r = rewards_G[order]  # ascending
+    ranks = torch.arange(1, G + 1)
+    p_max = torch.tensor([math.comb(j - 1, k - 1) for j in ranks.tolist()], dtype=torch.float64) / math.comb(G, k)
+    baseline = (p_max * r).sum()
+    sigma = torch.sqrt((p_max * (r - baseline) ** 2).sum())
+    # E[max S | i in S]: the other k - 1 come from the G - 1 others; the max of those is the m-th smallest of
+    # them with probability C(m-1, k-2) / C(G-1, k-1), and S's max is the larger of it and r_i.
+    expected = torch.empty(G, dtype=torch.float64)
+    if k == 1:
+        expected = r.clone()
+    else:
+        p_other = torch.tensor([math.comb(m - 1, k - 2) for m in range(1, G)], dtype=torch.float64)
+        p_other = p_other / math.comb(G - 1, k - 1)
+        for i in range(G):
+            others = torch.cat([r[:i], r[i + 1:]])  # still ascending
+            expected[i] = (p_other * torch.maximum(others, r[i])).sum()
+    adv = expected - baseline
+    if bool(sigma <= eps) or bool(adv.abs().max() <= eps):
+        return torch.zeros(G)
+    if std_normalize:
+        adv = adv / (sigma + eps)
+    out = torch.empty(G, dtype=torch.float64)
+    out[order] = adv
+    return out.float()
 
 
 def length_normalized(adv_E: torch.Tensor, tokens_E: torch.Tensor) -> torch.Tensor:

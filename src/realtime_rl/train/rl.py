@@ -56,7 +56,9 @@ from realtime_rl.model import (
 )
 from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
-from realtime_rl.train.losses import LossConfig, group_advantages, k3, length_normalized, policy_loss
+from realtime_rl.train.losses import (
+    LossConfig, group_advantages, k3, length_normalized, pass_at_k_advantages, policy_loss,
+)
 from realtime_rl.train.packing import MicroBatch, forward_calls, pack_micro_batches
 from realtime_rl.train.schedule import warmup_cosine
 from realtime_rl.types import Episode, Segment
@@ -208,8 +210,9 @@ class RLTrainer:
             groups[e.group_id or e.episode_id].append(e)
         trained: list[tuple[Episode, float]] = []
         for members in groups.values():
-            adv = group_advantages(torch.tensor([rewards[e.episode_id] for e in members]),
-                                   cfg.leave_one_out, cfg.std_normalize)
+            rewards_G = torch.tensor([rewards[e.episode_id] for e in members])
+            adv = (pass_at_k_advantages(rewards_G, cfg.pass_at_k, cfg.std_normalize) if cfg.pass_at_k > 1
+                   else group_advantages(rewards_G, cfg.leave_one_out, cfg.std_normalize))
             adv = torch.where(adv < 0, adv * cfg.negative_weight, adv)
             # zero-advantage episodes (and those that generated nothing) carry no policy gradient: skip their
             # forward, unless the entropy term covers them
