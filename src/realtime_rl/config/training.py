@@ -196,7 +196,6 @@ class RLConfig(StrictModel):
     default: matmuls and attention run in bf16 under autocast over fp32 weights, gradients and AdamW state;
     the LM head's log-softmax, the loss and the optimizer step stay fp32 (train/rl.py)."""
 
-
     @model_validator(mode="after")
     def _one_baseline(self) -> RLConfig:
         if self.pass_at_k > 1 and self.leave_one_out:

@@ -13,5 +13,5 @@ from realtime_rl.train.rl import RLTrainer, episode_reward, staleness
 from realtime_rl.train.traffic import sampled_at, traffic_episode, traffic_episodes, traffic_segment
 
 __all__ = ["LossConfig", "RLTrainer", "ensure_base_model", "episode_reward", "group_advantages", "k3",
-           "latest_checkpoint", "pass_at_k_advantages", "policy_loss", "prepare_corpus", "pretrain", "sampled_at", "staleness",
-           "traffic_episode", "traffic_episodes", "traffic_segment"]
+           "latest_checkpoint", "pass_at_k_advantages", "policy_loss", "prepare_corpus", "pretrain", "sampled_at",
+           "staleness", "traffic_episode", "traffic_episodes", "traffic_segment"]

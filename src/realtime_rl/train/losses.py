@@ -82,27 +82,24 @@ def pass_at_k_advantages(rewards_G: torch.Tensor, k: int, std_normalize: bool = 
         return torch.zeros(G)
     order = torch.argsort(rewards_G, stable=True)
     r = rewards_G[order]  # ascending
-    ranks = torch.arange(1, G + 1)
-    p_max = torch.tensor([math.comb(j - 1, k - 1) for j in ranks.tolist()], dtype=torch.float64) / math.comb(G, k)
+    p_max = torch.tensor([math.comb(j - 1, k - 1) for j in range(1, G + 1)], dtype=torch.float64) / math.comb(G, k)
     baseline = (p_max * r).sum()
     sigma = torch.sqrt((p_max * (r - baseline) ** 2).sum())
-    # E[max S | i in S]: the other k - 1 come from the G - 1 others; the max of those is the m-th smallest of
-    # them with probability C(m-1, k-2) / C(G-1, k-1), and S's max is the larger of it and r_i.
-    expected = torch.empty(G, dtype=torch.float64)
+    if bool(sigma <= eps):  # every k-subset scores the same (e.g. each holds a pass)
+        return torch.zeros(G)
     if k == 1:
-        expected = r.clone()
+        expected = r
     else:
+        # E[max S | i in S]: the other k - 1 come from the G - 1 others; the max of those is the m-th smallest of
+        # them with probability C(m-1, k-2) / C(G-1, k-1), and S's max is the larger of it and r_i.
         p_other = torch.tensor([math.comb(m - 1, k - 2) for m in range(1, G)], dtype=torch.float64)
         p_other = p_other / math.comb(G - 1, k - 1)
-        for i in range(G):
-            others = torch.cat([r[:i], r[i + 1:]])  # still ascending
-            expected[i] = (p_other * torch.maximum(others, r[i])).sum()
+        expected = torch.stack([(p_other * torch.maximum(torch.cat([r[:i], r[i + 1:]]), r[i])).sum()
+                                for i in range(G)])
     adv = expected - baseline
-    if bool(sigma <= eps) or bool(adv.abs().max() <= eps):
-        return torch.zeros(G)
     if std_normalize:
         adv = adv / (sigma + eps)
-    out = torch.empty(G, dtype=torch.float64)
+    out = torch.empty_like(adv)
     out[order] = adv
     return out.float()
 
