@@ -1,5 +1,6 @@
 """The `rtrl` command. One entry point; each subcommand reads its config (`--config FILE.toml`,
-`--set key=value`), shows progress, and exits non-zero with a one-line reason on bad input.
+`--set key=value`), shows progress, and exits non-zero with a one-line reason on bad input. Parsing and the configs'
+checks import no torch: `rtrl --help` and bad input answer at once; a subcommand imports what it runs.
 
 Subcommands: `demo`, `pretrain`, `train`, `eval`, `serve`, `loop`, `registry`, `simulate-users`, `bench`.
 """
@@ -25,6 +26,22 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _flag_overrides(flags: dict[str, object]) -> list[str]:
     """Command-line flags as `--set` strings (TOML literals), applied before the user's own --set."""
     return [f"{k}={json.dumps(str(v) if isinstance(v, Path) else v)}" for k, v in flags.items() if v is not None]
+
+
+def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
+    """`registry list|show|promote|rollback --run-dir DIR` (run by deploy/registry_cli.py)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run-dir", type=Path, required=True, help="the loop's run directory (holds registry.sqlite)")
+    parser = sub.add_parser("registry", help="list, inspect, promote and roll back policy versions")
+    actions = parser.add_subparsers(dest="registry_action", required=True)
+    actions.add_parser("list", parents=[common], help="every version: state, parent, data window, reward, metrics")
+    show = actions.add_parser("show", parents=[common], help="a version's lineage and transitions with evidence")
+    show.add_argument("version", type=int)
+    for name, what in (("promote", "one step up: candidate -> canary, canary -> live (the live one retires)"),
+                       ("rollback", "-> rolled_back; rolling back the live version restores the last retired")):
+        p = actions.add_parser(name, parents=[common], help=what)
+        p.add_argument("version", type=int)
+        p.add_argument("--reason", required=True, help="why (recorded in the version's history)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,11 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     users.add_argument("--gateway", help="the gateway's base URL (default http://127.0.0.1:8000)")
     users.add_argument("--users", type=int, help="concurrent users")
 
-    from realtime_rl.deploy.registry_cli import add_registry_parser
+    _add_registry_parser(sub)
 
-    add_registry_parser(sub)
-
-    from realtime_rl.bench import BENCHMARKS
+    from realtime_rl.bench import BENCHMARKS, RECIPE_BENCHMARKS
 
     bench = sub.add_parser("bench", help="run a benchmark and write its metrics",
                            description="benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
@@ -83,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="write {name, metrics, overrides, env} to this file")
     bench.add_argument("--quick", action="store_true", help="a short run (CI-sized)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field of the RL recipe the benchmark runs (learn, async, vs-trl: "
-                            "configs/train/default.toml), e.g. --set rl.kl_coef=0 (repeatable)")
+                       help="override a field of the RL recipe the benchmark runs (" + ", ".join(RECIPE_BENCHMARKS)
+                            + ": configs/train/default.toml), e.g. --set rl.kl_coef=0 (repeatable)")
     return parser
 
 
@@ -94,17 +109,18 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_registry(args)
     if args.command == "demo":
+        config = load_config(DemoConfig, args.config, args.overrides)
         from realtime_rl.demo import run_demo
 
-        run_demo(load_config(DemoConfig, args.config, args.overrides))
+        run_demo(config)
         return 0
     if args.command == "eval":
-        from realtime_rl.evaluate import run_eval
-
         flags = {"tasks": args.tasks, "solutions": args.solutions, "checkpoint": args.checkpoint,
                  "samples": args.samples, "workers": args.workers, "limit": args.limit}
-        overrides = _flag_overrides(flags)
-        report = run_eval(load_config(EvalConfig, args.config, [*overrides, *args.overrides]))
+        config = load_config(EvalConfig, args.config, [*_flag_overrides(flags), *args.overrides])
+        from realtime_rl.evaluate import run_eval
+
+        report = run_eval(config)
         summary = {k: v for k, v in report.items() if k != "per_task"}
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -112,32 +128,34 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     if args.command == "pretrain":
+        config = load_config(PretrainConfig, args.config, args.overrides)
         from realtime_rl.train import pretrain
 
-        result = pretrain(load_config(PretrainConfig, args.config, args.overrides))
+        result = pretrain(config)
         print(json.dumps(result, indent=2))
         return 0
     if args.command == "train":
+        overrides = _flag_overrides({"base_checkpoint": args.base})
+        config = load_config(TrainConfig, args.config, [*overrides, *args.overrides])
         from realtime_rl.rollout import train
 
-        overrides = _flag_overrides({"base_checkpoint": args.base})
-        result = train(load_config(TrainConfig, args.config, [*overrides, *args.overrides]))
+        result = train(config)
         result.pop("history")
         print(json.dumps(result, indent=2))
         return 0
     if args.command == "serve":
+        flags = {"checkpoint": args.checkpoint, "host": args.host, "port": args.port}
+        config = load_config(ServeConfig, args.config, [*_flag_overrides(flags), *args.overrides])
         from realtime_rl.serve import run_server
 
-        flags = {"checkpoint": args.checkpoint, "host": args.host, "port": args.port}
-        overrides = _flag_overrides(flags)
-        run_server(load_config(ServeConfig, args.config, [*overrides, *args.overrides]))
+        run_server(config)
         return 0
     if args.command == "loop":
+        overrides = _flag_overrides({"gateway_url": args.gateway, "cycles": args.cycles})
+        config = load_config(LoopConfig, args.config, [*overrides, *args.overrides])
         from realtime_rl.loop import RealtimeLoop
         from realtime_rl.loop.report import write_report
 
-        overrides = _flag_overrides({"gateway_url": args.gateway, "cycles": args.cycles})
-        config = load_config(LoopConfig, args.config, [*overrides, *args.overrides])
         loop = RealtimeLoop(config)
         try:
             loop.run()
@@ -146,10 +164,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"report: {write_report(config.run_dir)}")
         return 0
     if args.command == "simulate-users":
+        overrides = _flag_overrides({"base_url": args.gateway, "users": args.users})
+        config = load_config(SimulateUsersConfig, args.config, [*overrides, *args.overrides])
         from realtime_rl.environments.users import run_simulated_users
 
-        overrides = _flag_overrides({"base_url": args.gateway, "users": args.users})
-        summary = run_simulated_users(load_config(SimulateUsersConfig, args.config, [*overrides, *args.overrides]))
+        summary = run_simulated_users(config)
         print(json.dumps(summary, indent=2))
         return 0
     if args.command == "bench":

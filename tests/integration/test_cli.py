@@ -69,6 +69,16 @@ def test_bad_input_exits_nonzero_with_one_line(args, message):
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("rtrl: error:")
 
 
+def test_parsing_and_config_errors_import_no_torch():
+    """`rtrl --help` and a bad config answer without loading torch (seconds of imports)."""
+    code = ("import sys; from realtime_rl.cli import main\n"
+            "assert main(['pretrain', '--set', 'steps=0']) == 2\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "steps" in proc.stderr
+
+
 def test_unknown_benchmark_is_refused():
     proc = run("bench", "nope")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

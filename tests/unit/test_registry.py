@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sqlite3
 import subprocess
@@ -13,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from realtime_rl.deploy.registry import DataWindow, Registry
-from realtime_rl.deploy.registry_cli import add_registry_parser, run_registry
+from realtime_rl.cli import build_parser
+from realtime_rl.deploy.registry_cli import run_registry
 
 REGISTRY_PY = Path(__file__).resolve().parents[2] / "src" / "realtime_rl" / "deploy" / "registry.py"
 
@@ -252,9 +252,7 @@ def test_reopen_keeps_everything_and_uses_wal(tmp_path):
 
 
 def cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rtrl")
-    add_registry_parser(parser.add_subparsers(dest="command", required=True))
-    return run_registry(parser.parse_args(argv))
+    return run_registry(build_parser().parse_args(argv))
 
 
 def test_cli_lists_shows_promotes_and_rolls_back(tmp_path, capsys, monkeypatch):

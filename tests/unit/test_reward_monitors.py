@@ -261,3 +261,26 @@ def test_an_interaction_names_its_user_else_its_session():
     assert interactions_from_completion(record, [])[0].unit == "ada"
     record = replace(record, user=None, session_id="s-1")
     assert interactions_from_completion(record, [])[0].unit == "s-1"
+
+
+def test_holm_matches_statsmodels_multipletests(monkeypatch):
+    import gc
+
+    from statsmodels.stats.multitest import multipletests
+
+    from realtime_rl.rewards.stats import holm
+
+    # multipletests runs a full garbage collection per call (why monitors use `holm`): not what is compared here.
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        m = int(rng.integers(1, 9))
+        p = rng.uniform(0, 0.2, m) ** rng.uniform(0.5, 3)
+        if trial % 10 == 0:
+            p[: m // 2] = p[0]  # ties
+        alpha = float(rng.choice([0.01, 0.05, 0.1]))
+        reject, adjusted = holm(p.tolist(), alpha)
+        want_reject, want_adjusted, _, _ = multipletests(p, alpha=alpha, method="holm")
+        assert reject.tolist() == want_reject.tolist()
+        np.testing.assert_allclose(adjusted, want_adjusted, rtol=0, atol=1e-15)

@@ -13,9 +13,10 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BENCHMARKS = {
     "parity": "our Qwen3 / Qwen3-MoE logits against transformers', both load directions",
@@ -37,6 +38,8 @@ only how ours spreads over the machine, `vs_trl.MACHINE_FIELDS`)."""
 
 
 def environment() -> dict[str, Any]:
+    import torch
+
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
@@ -62,6 +65,8 @@ def environment() -> dict[str, Any]:
 
 def device_and_dtype(device: str = "cpu", dtype: str = "float32") -> tuple[torch.device, str]:
     """Where a bench runs: `RTRL_BENCH_DEVICE` and `RTRL_BENCH_DTYPE` (float32 or bfloat16), else the defaults."""
+    import torch
+
     dtype = os.environ.get("RTRL_BENCH_DTYPE", dtype)
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"RTRL_BENCH_DTYPE must be float32 or bfloat16, got {dtype!r}")

@@ -5,7 +5,8 @@
     rtrl registry promote 7 --run-dir runs/loop --reason "..."   # one step up: candidate -> canary -> live
     rtrl registry rollback 7 --run-dir runs/loop --reason "..."  # -> rolled_back (live: restores the last retired)
 
-cli.py adds the parser with `add_registry_parser(subparsers)` and runs it with `run_registry(args)`.
+cli.py builds the parser (without importing this module: it imports torch through `realtime_rl.deploy`) and runs
+the action with `run_registry(args)`.
 """
 
 from __future__ import annotations
@@ -20,24 +21,6 @@ from rich.console import Console
 from rich.table import Table
 
 from realtime_rl.deploy.registry import DataWindow, PolicyVersion, Registry
-
-
-def add_registry_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `registry list|show|promote|rollback --run-dir DIR` to the `rtrl` subparsers."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--run-dir", type=Path, required=True,
-                        help="the loop's run directory (holds registry.sqlite)")
-    parser = subparsers.add_parser("registry", help="list, inspect, promote and roll back policy versions")
-    actions = parser.add_subparsers(dest="registry_action", required=True)
-    actions.add_parser("list", parents=[common], help="every version: state, parent, data window, reward, metrics")
-    show = actions.add_parser("show", parents=[common], help="a version's lineage and transitions with evidence")
-    show.add_argument("version", type=int)
-    for name, what in (("promote", "one step up: candidate -> canary, canary -> live (the live one retires)"),
-                       ("rollback", "-> rolled_back; rolling back the live version restores the last retired")):
-        p = actions.add_parser(name, parents=[common], help=what)
-        p.add_argument("version", type=int)
-        p.add_argument("--reason", required=True, help="why (recorded in the version's history)")
-    return parser
 
 
 def run_registry(args: argparse.Namespace) -> int:

@@ -50,14 +50,13 @@ from typing import Any, Literal
 
 import numpy as np
 from scipy import stats
-from statsmodels.stats.multitest import multipletests
 
 from realtime_rl.collect import CompletionRecord, FeedbackEvent
 from realtime_rl.config.rewards import MonitorConfig
 from realtime_rl.rewards.actions import Action
 from realtime_rl.rewards.replay import Traffic
 from realtime_rl.rewards.rules import items_from_completion
-from realtime_rl.rewards.stats import cluster_robust, one_sided
+from realtime_rl.rewards.stats import cluster_robust, holm, one_sided
 from realtime_rl.types import Episode
 
 Status = Literal["alarm", "ok", "insufficient_data"]
@@ -294,7 +293,7 @@ def compare(champion: Sequence[Interaction], candidate: Sequence[Interaction],
 
     tested = [(r, effect, minimum) for r, effect, minimum in runs if r.p_value is not None]
     if tested:
-        reject, adjusted, _, _ = multipletests([r.p_value for r, _, _ in tested], alpha=config.alpha, method="holm")
+        reject, adjusted = holm([r.p_value for r, _, _ in tested], config.alpha)
         for (r, effect, minimum), significant, p_adj in zip(tested, reject, adjusted):
             r.p_adjusted = float(p_adj)
             large = effect >= minimum

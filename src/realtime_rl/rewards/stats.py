@@ -5,7 +5,7 @@
 
 Live traffic is randomised by user, and one user's completions are correlated, so both compare arms with
 the user (else the session) as the unit of inference: OLS with cluster-robust standard errors
-(statsmodels cov_type="cluster": CR1, t with G - 1 degrees of freedom).
+(statsmodels cov_type="cluster": CR1, t with G - 1 degrees of freedom). `holm` adjusts a family of p-values.
 """
 
 from __future__ import annotations
@@ -47,3 +47,15 @@ def one_sided(difference: float, p_two_sided: float, harmful: Literal["higher", 
 def finite(x: float | None) -> float | None:
     """x as a float, or None where it is missing, infinite or NaN."""
     return float(x) if x is not None and math.isfinite(float(x)) else None
+
+
+def holm(p_values: list[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """Holm's step-down adjustment (family-wise error <= alpha, any dependence): (reject, adjusted p-values), in
+    the input's order. What statsmodels' `multipletests(method="holm")` returns, without the full garbage
+    collection it runs on every call (0.07 s on an empty interpreter, ~0.6 s in a process holding models)."""
+    p = np.asarray(p_values, dtype=float)
+    order = np.argsort(p, kind="stable")
+    adjusted_sorted = np.minimum(1.0, np.maximum.accumulate(p[order] * np.arange(len(p), 0, -1)))
+    adjusted = np.empty_like(p)
+    adjusted[order] = adjusted_sorted
+    return adjusted <= alpha, adjusted
