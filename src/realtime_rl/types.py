@@ -94,7 +94,7 @@ class Segment:
     """One self-contained token sequence of an episode: the context window between self-summaries.
 
     Invariants: token_ids, loss_mask, logprobs and versions share one length T. loss_mask[t] is True
-    exactly for tokens the policy generated; logprobs[t] is the behaviour policy's logprob of token t
+    exactly for tokens the policy generated, never for t = 0 (a reply follows at least one context token); logprobs[t] is the behaviour policy's logprob of token t
     (0 where loss_mask is False); versions[t] is the policy version that generated token t (-1 for
     context tokens). routing, when the policy is MoE, is [T, moe_layers, k]: row t is the routing of
     position t as an input, as inference computed it (the last position may be zeros: it was never
@@ -115,6 +115,9 @@ class Segment:
         n = len(self.token_ids)
         assert len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n, "segment arrays disagree"
         assert self.routing is None or len(self.routing) == n, "routing length differs from token_ids"
+        if n and self.loss_mask[0]:
+            raise ValueError("a segment's first token cannot be generated: a token is trained as the target of the "
+                             "one before it")
 
     @property
     def num_generated(self) -> int:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -335,3 +336,49 @@ def test_sigkilled_trainer_resumes_without_losing_or_retraining_a_group(tmp_path
     assert not dropped & set(consumed)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(line["metrics"]["train/staleness_max"] <= 2 for line in lines)  # the bound holds across the resume
+
+
+def test_a_second_run_on_a_run_dir_in_use_is_refused(tmp_path, tiny_checkpoint):
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / ".lock", "w") as held:  # as a running `rtrl train` holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="in use by another `rtrl train`"):
+            train(_config(run, tiny_checkpoint), show_progress=False)
+    assert not (run / "checkpoints").exists()  # refused before anything was written
+
+
+def test_a_group_the_trainer_would_refuse_is_set_aside_with_why_not_the_end_of_the_run(tmp_path, tiny_checkpoint,
+                                                                                       monkeypatch):
+    from realtime_rl.rollout.buffer import REJECTED_FILE
+
+    class _OneBad(LocalBackend):
+        bad: str | None = None
+
+        def poll(self, timeout_s: float) -> list[list[Episode]]:
+            groups = super().poll(timeout_s)
+            if groups and self.bad is None:  # the first group back: one behaviour logprob a GPU overflowed
+                self.bad = groups[0][0].group_id
+                groups[0][-1].segments[0].logprobs[groups[0][-1].segments[0].loss_mask.nonzero()[0][0]] = np.nan
+            return groups
+
+    backends: list[_OneBad] = []
+
+    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _OneBad:
+        backends.append(_OneBad(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
+                                weights_dir=Path(config.run_dir) / "weights"))
+        return backends[-1]
+
+    from realtime_rl.rollout import orchestrator
+
+    monkeypatch.setattr(orchestrator, "make_backend", make_backend)
+    summary = train(_config(tmp_path / "run", tiny_checkpoint, steps=2), show_progress=False)
+    assert summary["version"] == 2 and summary["rejected_groups"] == 1
+    log = tmp_path / "run" / "trajectories"
+    [record] = [json.loads(line) for line in (log / REJECTED_FILE).read_text().splitlines()]
+    assert record["group_id"] == backends[0].bad and "non-finite behaviour logprob" in record["reason"]
+    trained = {json.loads(line)["group_id"] for line in (log / "trained.jsonl").read_text().splitlines()}
+    assert backends[0].bad not in trained
+    assert not (log / f"{backends[0].bad}.npz").exists()

@@ -259,6 +259,29 @@ def test_a_steps_reads_of_device_values_do_not_grow_with_depth(tmp_path):
     assert counts[2] == counts[4] > 0, counts
 
 
+def test_the_kl_reference_routes_itself(tmp_path):
+    """The KL's reference logprobs are the reference model's own, not its weights on the policy's experts."""
+    from realtime_rl.model.qwen3 import sequence_logprobs
+
+    reference = _model(seed=1)
+    trainer = RLTrainer(_model(), None, RLConfig(kl_coef=0.1), tmp_path, reference=reference)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    engine.update_weights(trainer.weights(), 0)
+    seg = _episodes(engine, 0)[0].segments[0]
+    batch = trainer._batch([(seg, 1.0)])
+    with torch.no_grad():
+        own, _ = trainer._logprobs(batch, trainer.reference, replay=False)
+        forced, _ = trainer._logprobs(batch, trainer.reference)
+    tokens = torch.as_tensor(seg.token_ids, dtype=torch.long)
+    want, routing = sequence_logprobs(reference, tokens)
+    trained = torch.as_tensor(seg.loss_mask[1:])
+    torch.testing.assert_close(own, want[trained], atol=1e-5, rtol=0)
+    assert (routing.numpy() != seg.routing[:-1]).any()  # the reference would choose other experts
+    assert (forced - own).abs().max() > 1e-3  # the policy's routing on the reference's weights is another model
+    metrics = trainer.step(_episodes(engine, 1))
+    assert metrics["train/kl_ref"] > 0
+
+
 def test_a_recorded_routing_naming_a_missing_expert_is_refused_on_the_host(tmp_path):
     """The trainer checks the replayed routing before it reaches the device (where an index out of range ends a
     CUDA process in a device-side assert), and the forward then reads nothing back to check it again."""
@@ -621,6 +644,7 @@ def test_staleness_buffer_holds_the_step_that_would_strand_a_group_in_flight():
     assert not buf.stranded(version=5, in_flight=[4, 5])  # the next steps have room for both
     assert not buf.stranded(version=5, in_flight=[])
     assert buf.stranded(version=5, in_flight=[5, 3])  # admitted at 3, due at 5: this step must train it
+    assert not buf.stranded(version=5, in_flight=[2])  # due at 4, already past: not worth holding the step for
     sync = StalenessBuffer(max_staleness=0, groups_per_step=1)
     sync.add(_group("a", 0))
     assert not sync.stranded(version=0, in_flight=[0])  # both due now, one step: no order saves both
@@ -708,3 +732,27 @@ def test_a_rollout_on_the_reserved_split_draws_only_reserved_structures():
     assert "train" in structures(RolloutConfig())
     with pytest.raises(ValidationError, match="split"):
         RolloutConfig(split="heldout")
+
+
+def _segment(tokens: list[int], prompt: int, routing: np.ndarray) -> Segment:
+    n = len(tokens)
+    mask = np.arange(n) >= prompt
+    return Segment(np.array(tokens, dtype=np.int32), mask, np.where(mask, -1.0, 0.0).astype(np.float32),
+                   np.where(mask, 0, -1).astype(np.int32), routing)
+
+
+def test_shared_inputs_of_one_token_prompts_and_of_routings_that_differ():
+    from realtime_rl.train.packing import shared_inputs
+
+    routing = np.zeros((5, 2, 2), dtype=np.uint8)
+    a, b = _segment([7, 1, 2, 3, 4], 1, routing), _segment([7, 5, 6, 8, 9], 1, routing)
+    assert shared_inputs(a, b, routing=True) == 0  # nothing before the first trained target to share
+    other = routing.copy()
+    other[2, 1, 0] = 1
+    a, b = _segment([7, 8, 9, 1, 2], 4, routing), _segment([7, 8, 9, 3, 4], 4, other)
+    assert shared_inputs(a, b) == 3 and shared_inputs(a, b, routing=True) == 2
+
+
+def test_a_segment_whose_first_token_is_generated_is_refused():
+    with pytest.raises(ValueError, match="first token cannot be generated"):
+        _segment([1, 2, 3], 0, np.zeros((3, 2, 2), dtype=np.uint8))

@@ -85,7 +85,9 @@ class StalenessBuffer:
         ready = sorted(d for d in (self.deadline(g, version) for g in self.ready) if d >= version)
         if len(ready) < gps:
             return False  # no batch to step with: the trainer waits anyway
-        flying = [started + self.max_staleness for started in in_flight]
+        # A group in flight past its deadline may still arrive fresh (its tokens newer than its admission), but
+        # nothing bounds when: waiting for it would stall the trainer on a group `take` may drop.
+        flying = [d for d in (started + self.max_staleness for started in in_flight) if d >= version]
         if not any(d < ready[gps - 1] for d in flying):
             return False
         # Earliest deadline first, the i-th group left is trained at version + ceil((i + 1) / gps).
@@ -112,12 +114,13 @@ class StalenessBuffer:
 TASKS_FILE = "tasks_handed_out"
 TRAINED_FILE = "trained.jsonl"
 DROPPED_FILE = "dropped.jsonl"
+REJECTED_FILE = "rejected.jsonl"
 
 
 class TrajectoryLog:
     """run_dir/trajectories/<group_id>.npz: one durable file per finished group, until it is trained or
-    dropped; `trained.jsonl` and `dropped.jsonl`: the record of each; `tasks_handed_out`: the admission
-    counter of tasks and sampling seeds."""
+    dropped; `trained.jsonl`, `dropped.jsonl` and `rejected.jsonl` (groups the trainer would refuse, with why): the
+    record of each; `tasks_handed_out`: the admission counter of tasks and sampling seeds."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -179,6 +182,12 @@ class TrajectoryLog:
                                      "staleness": group_staleness(g, version),
                                      "episode_ids": [e.episode_id for e in g]} for g in groups])
         self._forget(groups)
+
+    def reject(self, group: list[Episode], version: int, reason: str) -> None:
+        """Record a group the trainer would refuse (rejected.jsonl, with why), then forget it."""
+        self._record(REJECTED_FILE, [{"group_id": group[0].group_id, "version": version, "reason": reason,
+                                      "episode_ids": [e.episode_id for e in group]}])
+        self._forget([group])
 
     def _forget(self, groups: list[list[Episode]]) -> None:
         for group in groups:

@@ -11,6 +11,7 @@ engine's hot swap. A worker runs several groups at once on threads so its engine
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -140,11 +141,14 @@ class LocalBackend(RolloutBackend):
                 message = self._outbox.get(timeout=min(0.5, remaining)) if remaining > 0 else self._outbox.get_nowait()
             except queue.Empty:
                 message = None
+            if message is None and any(not p.is_alive() for p in self._procs):
+                with contextlib.suppress(queue.Empty):  # what it sent last (its traceback, say) comes first
+                    message = self._outbox.get_nowait()
             if message is not None:
                 if message[0] == "error":
                     raise RuntimeError(f"rollout worker {message[1]} failed:\n{message[2]}")
                 return message
-            dead = [p.name for p in self._procs if not p.is_alive()]
+            dead = [f"{p.name} (exit code {p.exitcode})" for p in self._procs if not p.is_alive()]
             if dead:
                 raise RuntimeError(f"rollout worker process died: {', '.join(dead)}")
             if remaining <= 0:

@@ -20,6 +20,8 @@ token keeps its own) while the trainer trains.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from realtime_rl.train import RLTrainer
 from realtime_rl.types import Episode
 
 POLL_S = 0.5
+logger = logging.getLogger(__name__)
 
 
 def make_backend(config: TrainConfig, checkpoint_dir: Path) -> RolloutBackend:
@@ -67,14 +70,38 @@ def resolve_base(config: TrainConfig) -> Path:
 
 
 def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
-    torch.set_num_threads(config.threads)
+    """Train until config.steps or config.max_minutes; one run at a time per run_dir (a second would resume from the
+    same checkpoint and train the logged groups again)."""
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or the process ends
+        except BlockingIOError:
+            raise ValueError(f"{run_dir} is in use by another `rtrl train` (it holds {run_dir / '.lock'})") from None
+        return _train(config, run_dir, show_progress)
+
+
+def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
+    torch.set_num_threads(config.threads)
     base = resolve_base(config)
     trainer = RLTrainer.open(run_dir, base, config.rl)
     gps, size = config.rl.groups_per_step, config.rl.group_size
     log = TrajectoryLog(run_dir / "trajectories")
-    pending = log.load(trainer.consumed)
+    rejected = 0
+
+    def admissible(group: list[Episode]) -> bool:
+        """Whether the trainer would take the group; else it is logged as rejected, with why, and set aside (one
+        bad group, say a non-finite logprob, must not end the run, nor every resume of it)."""
+        nonlocal rejected
+        why = next((r for e in group if (r := trainer.refusal(e)) is not None), None)
+        if why is not None:
+            log.reject(group, trainer.version, why)
+            rejected += 1
+            logger.warning("group %s set aside: %s", group[0].group_id, why)
+        return why is None
+
+    pending = [g for g in log.load(trainer.consumed) if admissible(g)]
     buffer = StalenessBuffer(config.max_staleness, gps, started=trainer.version * gps + len(pending))
     handed_out = log.tasks_handed_out()
     next_task = buffer.started if handed_out is None else handed_out  # only grows: drops give back no task
@@ -88,6 +115,9 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     def receive(finished: list[list[Episode]]) -> None:
         for group in finished:
             admitted.pop(group[0].group_id, None)
+            if not admissible(group):
+                buffer.started -= 1  # admission may replace it
+                continue
             log.append(group)
             buffer.add(group)
 
@@ -149,6 +179,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
                     "train/minutes": elapsed / 60,
                     "rollout/tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
                     "rollout/dropped_stale_groups": float(buffer.dropped),
+                    "rollout/rejected_groups": float(rejected),
                     "rollout/straggler_wait_s": straggler_s,
                     "rollout/groups_ready": float(len(buffer.ready)),
                     **backend.engine_metrics(),
@@ -168,7 +199,8 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     elapsed = time.perf_counter() - t_start
     rewards = [m["train/reward_mean"] for m in history]
     return {
-        "checkpoint": str(run_dir / "checkpoints" / f"v-{trainer.version:07d}"),
+        # Version 0 (no step yet, here or in the run resumed) is the base: there is no v-0000000.
+        "checkpoint": str(run_dir / "checkpoints" / f"v-{trainer.version:07d}" if trainer.version else base),
         "version": trainer.version,
         "steps_this_run": trainer.version - first_version,
         "minutes": elapsed / 60,
@@ -180,6 +212,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
         "reward_first": rewards[0] if rewards else None,
         "reward_last_mean": float(np.mean(rewards[-3:])) if rewards else None,
         "dropped_stale_groups": buffer.dropped,
+        "rejected_groups": rejected,
         "straggler_wait_s": straggler_s,
         "rollout_tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
         "rollout": {k.removeprefix("rollout/"): v for k, v in backend.engine_metrics().items()},

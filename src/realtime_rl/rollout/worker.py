@@ -14,6 +14,7 @@ Grading runs the task's pristine (and hidden) tests in a fresh sandbox, as the e
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
 import time
@@ -26,7 +27,7 @@ import torch
 
 from realtime_rl.config import RolloutConfig
 from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
-from realtime_rl.environments import Sandbox, WarmPool, generate_task, grade, load_task, run_episode
+from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, grade, load_task, run_episode
 from realtime_rl.environments.grading import GradeCache
 from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.environments.policies import task_seed
@@ -117,7 +118,14 @@ class RolloutWorker:
         self.engine.update_weights(state, version)
 
     def run_group(self, job: GroupJob) -> list[Episode]:
-        task = load_task(job_task(job, self.config).write(self._tasks_dir / job.group_id))
+        """The group's episodes, graded; its task's files (read while it runs) are removed when it ends."""
+        root = self._tasks_dir / job.group_id
+        try:
+            return self._run_group(job, load_task(job_task(job, self.config).write(root)))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _run_group(self, job: GroupJob, task: Task) -> list[Episode]:
         agent = self.config.agent
 
         def one(i: int) -> Episode:
@@ -149,6 +157,7 @@ class RolloutWorker:
         self.episodes.shutdown(wait=False, cancel_futures=True)
         self.engine.stop()
         self.pool.close()
+        shutil.rmtree(self._tasks_dir, ignore_errors=True)
 
 
 def new_group_id() -> str:

@@ -54,7 +54,7 @@ def shared_inputs(a: Segment, b: Segment, routing: bool = False) -> int:
     n = min(first_target(a), first_target(b)) - 1
     differ = a.token_ids[:n] != b.token_ids[:n]
     if routing and a.routing is not None and b.routing is not None:
-        differ |= (a.routing[:n] != b.routing[:n]).reshape(n, -1).any(axis=1)
+        differ |= (a.routing[:n] != b.routing[:n]).any(axis=tuple(range(1, a.routing.ndim)))
     where = np.flatnonzero(differ)
     return int(where[0]) if len(where) else n
 

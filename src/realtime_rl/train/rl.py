@@ -189,6 +189,31 @@ class RLTrainer:
 
     # -------------------------------------------------------------------------------- the step
 
+    def refusal(self, episode: Episode) -> str | None:
+        """Why `step` would refuse this episode (None: it would not): a non-finite reward or behaviour logprob
+        (one NaN would reach every weight through the loss), greedy decoding (no sample of a policy), or, under
+        router replay, a trained segment without recorded routing or naming an expert the model lacks. The
+        pipeline asks before logging a group, so one bad group is set aside instead of ending every resume."""
+        try:
+            reward = episode_reward(episode, self.config.malformed_penalty)
+        except ValueError as e:  # never graded
+            return str(e)
+        if not math.isfinite(reward):
+            return f"episode {episode.episode_id} has reward {reward}"
+        trained = [s for s in episode.segments if s.loss_mask.any()]
+        if not all(np.isfinite(s.logprobs[s.loss_mask]).all() for s in trained):
+            return f"episode {episode.episode_id} has a non-finite behaviour logprob"
+        if any(s.temperature == 0 for s in trained):
+            return f"episode {episode.episode_id} was decoded greedily: no sample of a policy"
+        if self._replays:
+            if any(s.routing is None for s in trained):
+                return ("router replay is on but a segment has no recorded routing "
+                        "(rl.router_replay = false trains on the trainer's own routing)")
+            E = self.model.config.num_experts
+            if any(s.routing.size and (s.routing.min() < 0 or s.routing.max() >= E) for s in trained):
+                return f"a segment's recorded routing names an expert outside 0..{E - 1}"
+        return None
+
     def step(self, episodes: list[Episode]) -> dict[str, float]:
         """One policy version: consume `episodes` (whole groups) and update the weights once per minibatch."""
         if not episodes:
@@ -197,14 +222,10 @@ class RLTrainer:
         if len(set(ids)) != len(ids) or self.consumed_ids() & set(ids):
             raise ValueError("an episode was given twice (or was already consumed by an earlier step)")
         cfg = self.config
+        for e in episodes:
+            if (why := self.refusal(e)) is not None:
+                raise ValueError(why)
         rewards = {e.episode_id: episode_reward(e, cfg.malformed_penalty) for e in episodes}
-        for e in episodes:  # one NaN would reach every weight through the loss
-            if not math.isfinite(rewards[e.episode_id]):
-                raise ValueError(f"episode {e.episode_id} has reward {rewards[e.episode_id]}")
-            if not all(np.isfinite(s.logprobs[s.loss_mask]).all() for s in e.segments):
-                raise ValueError(f"episode {e.episode_id} has a non-finite behaviour logprob")
-            if any(s.temperature == 0 and s.loss_mask.any() for s in e.segments):
-                raise ValueError(f"episode {e.episode_id} was decoded greedily: no sample of a policy")
         groups: dict[str, list[Episode]] = defaultdict(list)
         for e in episodes:
             groups[e.group_id or e.episode_id].append(e)
@@ -306,16 +327,9 @@ class RLTrainer:
         ids = torch.zeros((B, T), dtype=torch.long)
         where = torch.zeros((B, T), dtype=torch.bool)
         routing = None
-        if self._replays:
-            if any(seg.routing is None for seg, _ in micro):
-                raise ValueError("router replay is on but a segment has no recorded routing "
-                                 "(rl.router_replay = false trains on the trainer's own routing)")
+        if self._replays:  # each segment's routing is there and names experts the model has (`refusal`, on the host)
             L, k = micro[0][0].routing.shape[1:]
             routing = torch.zeros((B, T, L, k), dtype=self._route_dtype)
-            E = self.model.config.num_experts
-            if any(seg.routing.size and (seg.routing.min() < 0 or seg.routing.max() >= E) for seg, _ in micro):
-                # checked here, on the host, so that the forward need not read the record back from the device
-                raise ValueError(f"a segment's recorded routing names an expert outside 0..{E - 1}")
         targets, behaviour, advantages, fresh, temperature, rows = [], [], [], [], [], []
         for b, (seg, a) in enumerate(micro):
             n = len(seg.token_ids) - 1
@@ -341,16 +355,19 @@ class RLTrainer:
         return MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, calls, trained_at,
                            *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays), rows)
 
-    def _logprobs(self, batch: MicroBatch, model: Qwen3ForCausalLM | None = None
+    def _logprobs(self, batch: MicroBatch, model: Qwen3ForCausalLM | None = None, replay: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprob of each trained target [N], log-distribution there [N, V]), replaying the recorded routing.
+        """(logprob of each trained target [N], log-distribution there [N, V]), replaying the recorded routing
+        (replay=False: the model routes itself, as the KL's reference does: the base's own distribution, not the
+        base's weights on the experts the policy chose).
 
         The micro-batch's shared prefix runs once (one row); each run of rows sharing a longer prompt records
         the rest of it once (one row continuing the prefix); the rows continue from their run's prompt. The
         LM head and softmax run only where a token is trained.
         """
         model = model or self.model
-        ids, routing, P = batch.ids_BT, batch.routing_BTLK, batch.prefix
+        ids, P = batch.ids_BT, batch.prefix
+        routing = batch.routing_BTLK if replay else None  # rows sharing a prefix share its tokens either way
 
         def forward(rows: list[int], start: int, end: int, prefix: SharedPrefix | None) -> torch.Tensor:
             # Positions follow from the prefix (start..end-1); the routing was checked on the host (`_batch`).
@@ -400,7 +417,7 @@ class RLTrainer:
         ref_lp = None
         if self.reference is not None and self.config.kl_coef > 0:
             with torch.no_grad():
-                ref_lp, _ = self._logprobs(batch, self.reference)
+                ref_lp, _ = self._logprobs(batch, self.reference, replay=False)
         with torch.set_grad_enabled(bool(self.config.entropy_coef)):
             entropy_N = -(logp.exp() * logp).sum(-1)
         loss, sums = policy_loss(new_lp, prox_lp, batch.behaviour, batch.advantages, num_tokens, self.loss_config,
