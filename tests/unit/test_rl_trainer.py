@@ -259,8 +259,9 @@ def test_a_steps_reads_of_device_values_do_not_grow_with_depth(tmp_path):
     assert counts[2] == counts[4] > 0, counts
 
 
-def test_the_kl_reference_routes_itself(tmp_path):
-    """The KL's reference logprobs are the reference model's own, not its weights on the policy's experts."""
+def test_the_kl_reference_replays_the_rollouts_routing(tmp_path):
+    """The KL's reference logprobs are the reference's weights on the experts the rollout chose, which differ from
+    the reference routing itself."""
     from realtime_rl.model.qwen3 import sequence_logprobs
 
     reference = _model(seed=1)
@@ -270,14 +271,13 @@ def test_the_kl_reference_routes_itself(tmp_path):
     seg = _episodes(engine, 0)[0].segments[0]
     batch = trainer._batch([(seg, 1.0)])
     with torch.no_grad():
-        own, _ = trainer._logprobs(batch, trainer.reference, replay=False)
-        forced, _ = trainer._logprobs(batch, trainer.reference)
+        replayed, _ = trainer._logprobs(batch, trainer.reference)
     tokens = torch.as_tensor(seg.token_ids, dtype=torch.long)
-    want, routing = sequence_logprobs(reference, tokens)
     trained = torch.as_tensor(seg.loss_mask[1:])
-    torch.testing.assert_close(own, want[trained], atol=1e-5, rtol=0)
-    assert (routing.numpy() != seg.routing[:-1]).any()  # the reference would choose other experts
-    assert (forced - own).abs().max() > 1e-3  # the policy's routing on the reference's weights is another model
+    want, _ = sequence_logprobs(reference, tokens, replay_routing=torch.as_tensor(seg.routing))
+    torch.testing.assert_close(replayed, want[trained], atol=1e-5, rtol=0)
+    own, routing = sequence_logprobs(reference, tokens)
+    assert (routing.numpy() != seg.routing[:-1]).any() and (own[trained] - replayed).abs().max() > 1e-3
     metrics = trainer.step(_episodes(engine, 1))
     assert metrics["train/kl_ref"] > 0
 

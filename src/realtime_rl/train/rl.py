@@ -355,19 +355,18 @@ class RLTrainer:
         return MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, calls, trained_at,
                            *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays), rows)
 
-    def _logprobs(self, batch: MicroBatch, model: Qwen3ForCausalLM | None = None, replay: bool = True
+    def _logprobs(self, batch: MicroBatch, model: Qwen3ForCausalLM | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprob of each trained target [N], log-distribution there [N, V]), replaying the recorded routing
-        (replay=False: the model routes itself, as the KL's reference does: the base's own distribution, not the
-        base's weights on the experts the policy chose).
+        """(logprob of each trained target [N], log-distribution there [N, V]), replaying the recorded routing:
+        the KL's reference too, so the KL is to the base on the experts the rollout chose (the base routing itself
+        lifted held-out pass@1 less, BENCHMARKS.md learn, "The KL reference's routing").
 
         The micro-batch's shared prefix runs once (one row); each run of rows sharing a longer prompt records
         the rest of it once (one row continuing the prefix); the rows continue from their run's prompt. The
         LM head and softmax run only where a token is trained.
         """
         model = model or self.model
-        ids, P = batch.ids_BT, batch.prefix
-        routing = batch.routing_BTLK if replay else None  # rows sharing a prefix share its tokens either way
+        ids, routing, P = batch.ids_BT, batch.routing_BTLK, batch.prefix
 
         def forward(rows: list[int], start: int, end: int, prefix: SharedPrefix | None) -> torch.Tensor:
             # Positions follow from the prefix (start..end-1); the routing was checked on the host (`_batch`).
@@ -417,7 +416,7 @@ class RLTrainer:
         ref_lp = None
         if self.reference is not None and self.config.kl_coef > 0:
             with torch.no_grad():
-                ref_lp, _ = self._logprobs(batch, self.reference, replay=False)
+                ref_lp, _ = self._logprobs(batch, self.reference)
         with torch.set_grad_enabled(bool(self.config.entropy_coef)):
             entropy_N = -(logp.exp() * logp).sum(-1)
         loss, sums = policy_loss(new_lp, prox_lp, batch.behaviour, batch.advantages, num_tokens, self.loss_config,
