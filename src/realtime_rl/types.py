@@ -98,8 +98,9 @@ class Segment:
     logprobs[t] is the behaviour policy's logprob of token t (0 where loss_mask is False); versions[t] is the
     policy version that generated token t (-1 for context tokens). routing, when the policy is MoE, is
     [T, moe_layers, k]: row t is the routing of position t as an input, as inference computed it (the last
-    position may be zeros: it was never an input). temperature is the one the generated tokens were sampled at: the policy trained is
-    softmax(logits / temperature), the distribution the logprobs are of (0: greedy, never trained).
+    position may be zeros: it was never an input). temperature is the one the generated tokens were sampled
+    at: the policy trained is softmax(logits / temperature), the distribution the logprobs are of (0: greedy,
+    never trained).
     """
 
     token_ids: np.ndarray
