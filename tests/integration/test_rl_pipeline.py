@@ -248,6 +248,26 @@ def test_weights_published_in_bf16_reach_the_workers_as_the_trainers_weights_rou
             assert 0 <= h["train/mismatch_k3"] < 1e-2
 
 
+def _send_a_large_result_at_stop(inbox, outbox) -> None:
+    """A worker's exit path with a result bigger than the pipe holds: it exits only once that is read."""
+    assert inbox.get(timeout=60) == ("stop",)
+    outbox.put(("group", 0, "g", [bytes(4 << 20)], {}))
+    outbox.close()
+    outbox.join_thread()
+
+
+def test_closing_local_workers_reads_what_they_flush_so_they_exit_by_themselves(tmp_path, tiny_checkpoint):
+    backend = LocalBackend(_config(tmp_path / "run", tiny_checkpoint).rollout, tiny_checkpoint, group_size=2,
+                           weights_dir=tmp_path / "weights")
+    inbox = backend._ctx.Queue()
+    proc = backend._ctx.Process(target=_send_a_large_result_at_stop, args=(inbox, backend._outbox), daemon=True)
+    proc.start()
+    backend._inboxes.append(inbox)
+    backend._procs.append(proc)
+    backend.close()
+    assert proc.exitcode == 0  # not killed (-9) after a wait on its full pipe
+
+
 def test_ray_backend(tmp_path, tiny_checkpoint):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -280,6 +300,26 @@ def test_closing_ray_workers_stops_every_one_when_one_has_died(tmp_path, tiny_ch
                 time.sleep(0.2)
     finally:
         ray.shutdown()
+
+
+def test_ray_actors_that_cannot_be_placed_are_a_clear_error(tmp_path, tiny_checkpoint):
+    ray = pytest.importorskip("ray")
+    from realtime_rl.model import load_checkpoint
+    from realtime_rl.rollout.ray_actors import RayBackend
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rollout = _config(tmp_path / "run", tiny_checkpoint, backend="ray").rollout
+        backend = RayBackend(rollout.model_copy(update={"workers": 3, "timeout_s": 10}), tiny_checkpoint, group_size=2)
+        model = load_checkpoint(tiny_checkpoint).model
+        try:  # a CPU each, two CPUs: the third actor is never placed
+            with pytest.raises(TimeoutError, match=r"1 of 3 rollout actors not started after 10 s.*lower rollout.workers"):
+                backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
+        finally:
+            backend.close()
+    finally:
+        ray.shutdown()
+
 
 def _write_toml(path: Path, run_dir: Path, base: Path, steps: int) -> None:
     path.write_text(f'''run_dir = "{run_dir}"

@@ -162,9 +162,12 @@ class LocalBackend(RolloutBackend):
     def close(self) -> None:
         for inbox in self._inboxes:
             inbox.put(("stop",))
+        deadline = time.monotonic() + 10
+        while any(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):  # a worker exits only once what it sent is off a full pipe
+                self._outbox.get(timeout=0.1)
         for proc in self._procs:
-            proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-                proc.join(timeout=5)
+            proc.join(timeout=5)
         self._procs.clear()

@@ -81,7 +81,20 @@ class RayBackend(RolloutBackend):
                                           dtype=publish_dtype(self.config))
         self._actors = [actor_cls.remote(str(self.checkpoint_dir), self.config, wid, self.seed, self._weights)
                         for wid in range(self.config.workers)]
-        ray.get([a.ready.remote() for a in self._actors], timeout=self.config.timeout_s)
+        ready = [a.ready.remote() for a in self._actors]
+        placed, _ = ray.wait(ready, num_returns=len(ready), timeout=self.config.timeout_s)
+        ray.get(placed, timeout=self.config.timeout_s)  # an actor that failed to start raises its error here
+        if len(placed) < len(ready):
+            started = set(placed)
+            waiting = [i for i, ref in enumerate(ready) if ref not in started]
+            for i in waiting:  # nothing to close in an actor that never started
+                ray.kill(self._actors[i])
+            self._actors = [a for i, a in enumerate(self._actors) if i not in waiting]
+            options = actor_options(self.config, self.group_size)
+            raise TimeoutError(
+                f"{len(waiting)} of {len(ready)} rollout actors not started after {self.config.timeout_s:g} s"
+                f" (rollout.timeout_s): each asks for {options['num_cpus']} CPU and {options['num_gpus']} GPU,"
+                f" the cluster has {ray.available_resources()} free; lower rollout.workers or add nodes")
         self.publish(state, version)
 
     def submit(self, job: GroupJob) -> None:
@@ -107,14 +120,18 @@ class RayBackend(RolloutBackend):
         self.last_publish = self._publisher.publish(state, version)
         self.ray.get([a.sync_weights.remote() for a in self._actors], timeout=self.config.timeout_s)
 
-    def close(self) -> None:
-        """Ask every actor to close, then kill it: one that died or hangs (often why the run is closing) does
-        not keep the others alive or hide the error that ended the run."""
-        for actor in self._actors:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ask every actor to close, waiting at most timeout_s for them all, then kill each: one that died or
+        hangs (often why the run is closing) does not keep the others alive or hide the error that ended the run."""
+        closing = [actor.close.remote() for actor in self._actors]
+        done, late = self.ray.wait(closing, num_returns=len(closing), timeout=timeout_s) if closing else ([], [])
+        for ref in done:
             try:
-                self.ray.get(actor.close.remote(), timeout=30)
+                self.ray.get(ref, timeout=0)
             except Exception as exc:  # reported; the actor is killed below all the same
                 log.warning("rollout actor did not close cleanly: %s", exc)
-            finally:
-                self.ray.kill(actor)
+        if late:
+            log.warning("%d rollout actor(s) did not close within %g s", len(late), timeout_s)
+        for actor in self._actors:
+            self.ray.kill(actor)
         self._actors = []
