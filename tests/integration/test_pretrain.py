@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -52,6 +53,16 @@ def test_corpus_is_real_episodes_with_assistant_masks(tmp_path):
     # Cached: a second call reads the same corpus back.
     _, again = prepare_corpus(tiny(tmp_path, num_tasks=50, episode_fraction=0.8))
     assert all((a.token_ids == b.token_ids).all() for a, b in zip(docs, again))
+
+
+def test_a_corpus_built_in_two_processes_is_the_one_built_in_one(tmp_path):
+    one = prepare_corpus(tiny(tmp_path / "one", num_tasks=40, episode_fraction=0.5), processes=1)
+    two = prepare_corpus(tiny(tmp_path / "two", num_tasks=40, episode_fraction=0.5), processes=2)
+    assert one[0].hf.to_str() == two[0].hf.to_str()
+    assert len(one[1]) == len(two[1]) == 40
+    for a, b in zip(one[1], two[1], strict=True):
+        assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+        assert a.expert == b.expert
 
 
 def test_loss_falls(tmp_path):

@@ -32,15 +32,19 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import random
 import re
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
-from realtime_rl.config import AgentConfig
+from realtime_rl.config import AgentConfig, SandboxConfig
 from realtime_rl.environments import SyntheticTask, WarmPool, generate_task, run_episode
 from realtime_rl.environments.agent_loop import first_turn_messages
 from realtime_rl.environments.policies import ScriptedPolicy
@@ -59,6 +63,7 @@ NAME_WORDS = tuple(op.word for op in OPS)
 SCRIPT_AGENT = AgentConfig(max_turns=8, max_new_tokens=4096, summary_trigger_tokens=65_536,
                            max_context_tokens=131_072, max_summaries=0)
 _DOCSTRING = re.compile(r'\n[ \t]+""".*?"""', re.S)
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,6 +73,37 @@ class Document:
     loss_mask: np.ndarray
     """bool [T]: True on assistant (policy) tokens."""
     expert: bool
+
+
+class CorpusWorkers:
+    """Maps a function over contiguous chunks of a list in `processes` spawned processes and concatenates the
+    results in order: the corpus is the same for any number of processes (each chunk's randomness is drawn
+    before, in order). One process runs the function here, on the whole list. A phase that takes longer than
+    timeout_s, or a process that dies, is an error (concurrent.futures' TimeoutError, BrokenProcessPool)."""
+
+    def __init__(self, processes: int = 1, timeout_s: float = 3600.0) -> None:
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.processes, self.timeout_s = processes, timeout_s
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> CorpusWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def map(self, fn: Callable[..., list[T]], items: Sequence[Any], *args: Any) -> list[T]:
+        if self.processes == 1 or len(items) < 2 * self.processes:
+            return fn(items, *args)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+        bounds = np.linspace(0, len(items), self.processes + 1).round().astype(int)
+        futures = [self._pool.submit(fn, items[a:b], *args) for a, b in itertools.pairwise(bounds)]
+        deadline = time.monotonic() + self.timeout_s
+        return [x for future in futures for x in future.result(timeout=max(0.0, deadline - time.monotonic()))]
 
 
 def _call(name: str, **arguments: str) -> str:
@@ -239,6 +275,35 @@ def tasks_per_difficulty(count: int, max_difficulty: int,
     return {d: full * cycle.count(d) + cycle[:rest].count(d) for d in range(1, max_difficulty + 1)}
 
 
+def task_picks(count: int, max_difficulty: int, seed: int, start: int = 0, reserve_structures: bool = False,
+               difficulty_weights: Sequence[int] | None = None,
+               exclude_heldout_parts: bool = False) -> Iterator[tuple[int, int, int]]:
+    """(position, difficulty, train index) of synthetic_tasks' tasks start..start+count-1: which task each
+    document is, cheap to compute in order (synthetic_tasks renders them)."""
+    cycle = _difficulty_cycle(max_difficulty, difficulty_weights)
+    indices = {d: train_indices(seed, d, skip_reserved=reserve_structures, skip_heldout_parts=exclude_heldout_parts)
+               for d in range(1, max_difficulty + 1)}
+    for i in range(start + count):
+        difficulty = cycle[i % len(cycle)]
+        index = next(indices[difficulty])
+        if i >= start:
+            yield i, difficulty, index
+
+
+def make_tasks(picks: Sequence[tuple[int, int, int]], seed: int) -> list[MemoryTask]:
+    """The tasks of task_picks' picks, in memory; a RENAME_FRACTION of them renamed at random (the draw is
+    the position's own, so any slice of the picks renders as the whole list would)."""
+    tasks = []
+    for i, difficulty, index in picks:
+        task = generate_task(index, "train", seed, difficulty=difficulty)
+        rng = random.Random(f"rename/{seed}/{i}")
+        if rng.random() < RENAME_FRACTION:
+            words = rng.sample(NAME_WORDS, rng.randint(1, 3))
+            task = renamed(task, rng.choice(NAME_STYLES).format("_".join(words)))
+        tasks.append(MemoryTask.of(task))
+    return tasks
+
+
 def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0,
                     reserve_structures: bool = False,
                     difficulty_weights: Sequence[int] | None = None,
@@ -249,20 +314,9 @@ def synthetic_tasks(count: int, max_difficulty: int, seed: int, start: int = 0,
     exclude_heldout_parts: skip the tasks whose structure holds a held-out structure as consecutive stages
     (synthetic_index.holds_heldout_part; difficulty 3 and up); either cycles through a difficulty's other
     tasks when they run out."""
-    cycle = _difficulty_cycle(max_difficulty, difficulty_weights)
-    indices = {d: train_indices(seed, d, skip_reserved=reserve_structures, skip_heldout_parts=exclude_heldout_parts)
-               for d in range(1, max_difficulty + 1)}
-    for i in range(start + count):
-        difficulty = cycle[i % len(cycle)]
-        index = next(indices[difficulty])
-        if i < start:
-            continue
-        task = generate_task(index, "train", seed, difficulty=difficulty)
-        rng = random.Random(f"rename/{seed}/{i}")
-        if rng.random() < RENAME_FRACTION:
-            words = rng.sample(NAME_WORDS, rng.randint(1, 3))
-            task = renamed(task, rng.choice(NAME_STYLES).format("_".join(words)))
-        yield MemoryTask.of(task)
+    for pick in task_picks(count, max_difficulty, seed, start, reserve_structures, difficulty_weights,
+                           exclude_heldout_parts):
+        yield from make_tasks([pick], seed)
 
 
 def tokenizer_texts(tasks: list[Task], rng: random.Random) -> Iterator[str]:
@@ -278,17 +332,25 @@ def tokenizer_texts(tasks: list[Task], rng: random.Random) -> Iterator[str]:
         yield task.reference_solution()[task.solution_files[0]] + "\n" + "\n".join(task.pristine_tests().values())
 
 
-def build_documents(tasks: list[Task], tokenizer: Tokenizer, pool: WarmPool, expert_fraction: float,
-                    fix_rate: float, seed: int) -> list[Document]:
-    """Run one scripted episode per task through the real loop and sandbox; keep its tokens and mask."""
+def build_documents(tasks: list[Task], tokenizer: Tokenizer, expert_fraction: float, fix_rate: float, seed: int,
+                    workers: CorpusWorkers | None = None) -> list[Document]:
+    """Run one scripted episode per task through the real loop and sandbox; keep its tokens and mask. The
+    scripts are drawn here, in order; the episodes run in `workers` (each process with its own sandbox)."""
     rng = random.Random(seed)
-    docs = []
+    scripted = []
     for task in tasks:
         expert = rng.random() < expert_fraction
-        policy = ScriptedPolicy(tokenizer, episode_script(task, expert, fix_rate, rng))
-        episode = run_episode(policy, tokenizer, task, pool, SCRIPT_AGENT).episode
-        for seg in episode.segments:
-            docs.append(Document(seg.token_ids.astype(np.int32), seg.loss_mask.copy(), expert))
+        scripted.append((task, expert, episode_script(task, expert, fix_rate, rng)))
+    return (workers or CorpusWorkers(1)).map(_episode_documents, scripted, tokenizer)
+
+
+def _episode_documents(scripted: Sequence[tuple[Task, bool, list[str]]], tokenizer: Tokenizer) -> list[Document]:
+    docs = []
+    with WarmPool(SandboxConfig(pool_size=1)) as pool:
+        for task, expert, script in scripted:
+            episode = run_episode(ScriptedPolicy(tokenizer, script), tokenizer, task, pool, SCRIPT_AGENT).episode
+            for seg in episode.segments:
+                docs.append(Document(seg.token_ids.astype(np.int32), seg.loss_mask.copy(), expert))
     return docs
 
 
@@ -307,18 +369,26 @@ def clarifying_question(task: Task, rng: random.Random) -> str:
 
 
 def build_write_documents(tasks: list[Task], tokenizer: Tokenizer, expert_fraction: float,
-                          seed: int, question_fraction: float = 0.0) -> list[Document]:
+                          seed: int, question_fraction: float = 0.0,
+                          workers: CorpusWorkers | None = None) -> list[Document]:
     """One first-turn document per task: the loop's prompt, then write_file of the reference (expert) or a
     novice variant, or (question_fraction) an ask_user question, cut after the assistant's turn. No test
-    runs, so no sandbox."""
+    runs, so no sandbox. The turns are drawn here, in order; `workers` tokenize them."""
     rng = random.Random(seed)
-    docs = []
+    turns = []
     for task in tasks:
         expert = rng.random() < expert_fraction
         if rng.random() < question_fraction:
             turn = _call("ask_user", question=clarifying_question(task, rng))
         else:
             turn = _call("write_file", path=task.solution_files[0], content=_solution(task, expert, rng))
+        turns.append((task, expert, turn))
+    return (workers or CorpusWorkers(1)).map(_write_documents, turns, tokenizer)
+
+
+def _write_documents(turns: Sequence[tuple[Task, bool, str]], tokenizer: Tokenizer) -> list[Document]:
+    docs = []
+    for task, expert, turn in turns:
         episode = run_episode(ScriptedPolicy(tokenizer, [turn]), tokenizer, task, None,
                               SCRIPT_AGENT.model_copy(update={"max_turns": 1})).episode
         seg = episode.segments[0]

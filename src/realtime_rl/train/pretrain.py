@@ -42,15 +42,14 @@ import torch
 import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from realtime_rl.config import PretrainConfig, SandboxConfig
-from realtime_rl.environments import WarmPool
+from realtime_rl.config import PretrainConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
 from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.train.corpus import (
-    CORPUS_FORMAT, Document, build_documents, build_followup_documents, build_write_documents, shared_prefix_length,
-    synthetic_tasks, tokenizer_texts,
+    CORPUS_FORMAT, CorpusWorkers, Document, build_documents, build_followup_documents, build_write_documents,
+    make_tasks, shared_prefix_length, task_picks, tokenizer_texts,
 )
 from realtime_rl.train.data_parallel import process_group, remove_stale_groups, same_start, share, sum_gradients
 from realtime_rl.train.packing import cheapest_cut
@@ -97,9 +96,9 @@ def config_hash(config: PretrainConfig) -> str:
     return _hash({**fields, "corpus_format": CORPUS_FORMAT})
 
 
-def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
+def prepare_corpus(config: PretrainConfig, processes: int = 1) -> tuple[Tokenizer, list[Document]]:
     """Tokenizer + documents (episodes, then first-turn, then follow-up documents), cached under
-    run_dir/corpus-<hash of the corpus settings>."""
+    run_dir/corpus-<hash of the corpus settings>; built in `processes` processes, the same for any number."""
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     cache = Path(config.run_dir) / f"corpus-{_corpus_key(config)}"
     if (cache / "docs.npz").is_file() and (cache / "tokenizer.json").is_file():
@@ -110,17 +109,19 @@ def prepare_corpus(config: PretrainConfig) -> tuple[Tokenizer, list[Document]]:
             data["expert"])]
         return tokenizer, docs
     rng = random.Random(config.seed)
-    tasks = list(synthetic_tasks(config.num_tasks, config.max_difficulty, config.seed,
-                                 reserve_structures=config.reserve_structures,
-                                 difficulty_weights=config.difficulty_weights,
-                                 exclude_heldout_parts=config.exclude_heldout_parts))
-    episodes = max(1, round(config.episode_fraction * len(tasks))) if config.episode_fraction > 0 else 0
-    tokenizer = Tokenizer.train(tokenizer_texts(tasks[:TOKENIZER_TASKS], rng), vocab_size=config.tokenizer.vocab_size)
-    with WarmPool(SandboxConfig(pool_size=2)) as pool:
-        docs = build_documents(tasks[:episodes], tokenizer, pool, config.episode_expert_fraction, config.fix_rate,
-                               config.seed)
-    docs += build_write_documents(tasks[episodes:], tokenizer, config.expert_fraction, config.seed + 1,
-                                  config.question_fraction)
+    with CorpusWorkers(processes) as workers:
+        picks = list(task_picks(config.num_tasks, config.max_difficulty, config.seed,
+                                reserve_structures=config.reserve_structures,
+                                difficulty_weights=config.difficulty_weights,
+                                exclude_heldout_parts=config.exclude_heldout_parts))
+        tasks = workers.map(make_tasks, picks, config.seed)
+        episodes = max(1, round(config.episode_fraction * len(tasks))) if config.episode_fraction > 0 else 0
+        tokenizer = Tokenizer.train(tokenizer_texts(tasks[:TOKENIZER_TASKS], rng),
+                                    vocab_size=config.tokenizer.vocab_size)
+        docs = build_documents(tasks[:episodes], tokenizer, config.episode_expert_fraction, config.fix_rate,
+                               config.seed, workers)
+        docs += build_write_documents(tasks[episodes:], tokenizer, config.expert_fraction, config.seed + 1,
+                                      config.question_fraction, workers)
     followups = round(config.followup_fraction * (len(tasks) - episodes))
     docs += build_followup_documents(tasks[episodes:episodes + followups], tokenizer, config.seed + 2,
                                      config.question_fraction)
@@ -338,7 +339,7 @@ def _pretrain(config: PretrainConfig, world: int, threads: int, show_progress: b
     if config.resume and resume_from is None and (other := latest_checkpoint(run_dir)) is not None:
         raise ValueError(f"{other} was built from another config (hash {_built_by(other)}, this one is "
                          f"{config_hash(config)}): use another run_dir, or set resume=false to start over")
-    tokenizer, docs = prepare_corpus(config)  # built and cached here, before the other processes read it
+    tokenizer, docs = prepare_corpus(config, world)  # built and cached here, before the other processes read it
     corpus_s = time.perf_counter() - t_start
     with process_group(run_dir, world, _process_main, (threads, config, resume_from)):
         last = _train(config, tokenizer, docs, resume_from, 0, world, show_progress, t_start)
