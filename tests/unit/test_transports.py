@@ -3,6 +3,7 @@ downloads resume after a broken connection, and every failure or stall ends in a
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from realtime_rl.deploy import (
-    FilesystemTransport, HttpTransport, MissingBlob, TransportError, create_weights_app,
+    AlreadyPublished, FilesystemTransport, HttpTransport, MissingBlob, TransportError, create_weights_app,
 )
 from realtime_rl.deploy.transports.filesystem import with_timeout
 
@@ -32,7 +33,7 @@ def exercise(transport) -> None:
         transport.fetch(4, "snapshot")
     with pytest.raises(MissingBlob):
         transport.fetch(99, "delta")
-    with pytest.raises(TransportError, match="already published"):
+    with pytest.raises(AlreadyPublished, match="already published"):
         transport.publish(4, {"delta": b"again"})
     assert transport.fetch(4, "delta") == b"four"
     transport.remove(3)
@@ -53,23 +54,32 @@ def test_filesystem_readers_never_see_a_half_published_version(tmp_path):
     assert transport.versions() == {}           # staging directories are not versions
     transport.commit(staging, 1)
     assert transport.versions() == {1: ["delta"]} and not staging.exists()
-    seen, stop = [], threading.Event()
+    last, seen, errors, reading = 29, [], [], threading.Event()
 
-    def reader():
-        while not stop.is_set():
-            for v, kinds in transport.versions().items():
-                size = len(transport.fetch(v, "snapshot")) if "snapshot" in kinds else 0
-                seen.append((v, tuple(kinds), size))
+    def reader():  # reads every listed version until it has read the last one
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                listed = transport.versions()
+                for v, kinds in listed.items():
+                    seen.append((v, tuple(kinds), [transport.fetch(v, kind) == BLOBS[kind] for kind in kinds]))
+                reading.set()
+                if last in listed:
+                    return
+        except BaseException as exc:  # a listed version that cannot be read whole: failed on the test's thread
+            errors.append(exc)
+        finally:
+            reading.set()
 
     t = threading.Thread(target=reader)
     t.start()
-    for v in range(2, 30):
+    assert reading.wait(10)
+    for v in range(2, last + 1):
         transport.publish(v, BLOBS)
-    stop.set()
-    t.join()
-    assert all(kinds == ("delta", "snapshot") and n == len(BLOBS["snapshot"])
-               for v, kinds, n in seen if v > 1)
-
+    t.join(30)
+    assert not t.is_alive() and not errors, errors
+    assert {v for v, _, _ in seen} == set(range(1, last + 1))
+    assert all(kinds == ("delta", "snapshot") and all(whole) for v, kinds, whole in seen if v > 1)
 
 
 def test_a_version_pruned_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
@@ -88,6 +98,7 @@ def test_a_version_pruned_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
 
     monkeypatch.setattr(filesystem.os, "listdir", pruning_listdir)
     assert transport.versions() == {2: ["delta", "snapshot"]} and pruned == [1]
+
 
 def test_a_stalled_call_times_out_with_a_clear_error():
     with pytest.raises(TransportError, match="did not finish within 0.2 s"):
@@ -113,20 +124,72 @@ def test_http_transport(http_store):
 def test_http_serves_ranges_and_answers_bad_input_with_4xx(http_store):
     store, client = http_store
     store.publish(7, BLOBS)
+    size = len(BLOBS["snapshot"])
     r = client.get("/weights/7/snapshot", headers={"Range": "bytes=100-"})
     assert r.status_code == 206 and r.content == BLOBS["snapshot"][100:]
-    assert r.headers["content-range"] == f"bytes 100-{len(BLOBS['snapshot']) - 1}/{len(BLOBS['snapshot'])}"
+    assert r.headers["content-range"] == f"bytes 100-{size - 1}/{size}"
+    r = client.get("/weights/7/snapshot", headers={"Range": "bytes=100-199"})
+    assert r.status_code == 206 and r.content == BLOBS["snapshot"][100:200]
+    assert client.get("/weights/7/snapshot").content == BLOBS["snapshot"]
+    assert client.get("/weights/7/snapshot", headers={"Range": f"bytes={size}-"}).status_code == 416
     assert client.get("/weights/7/model").status_code == 422
     assert client.get("/weights/8/delta").status_code == 404
-    assert client.put("/weights/9/delta", content=b"x").status_code == 401
-    wrong = {"Authorization": "Bearer wrong"}
-    assert client.put("/weights/9/delta", content=b"x", headers=wrong).status_code == 401
-    assert client.post("/weights/9/commit", headers={"Authorization": "Bearer s3cret"}).status_code == 400
+    upload = {"upload": "0" * 32}
+    assert client.put("/weights/9/delta", params=upload, content=b"x").status_code == 401
+    wrong, writer = {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret"}
+    assert client.put("/weights/9/delta", params=upload, content=b"x", headers=wrong).status_code == 401
+    assert client.put("/weights/9/delta", params={"upload": "../../x"}, content=b"x", headers=writer).status_code == 422
+    r = client.post("/weights/9/commit", json={**upload, "kinds": ["delta"]}, headers=writer)
+    assert r.status_code == 400 and "PUT them first" in r.json()["detail"]
     readonly = TestClient(create_weights_app(store))
-    r = readonly.put("/weights/9/delta", content=b"x")
+    r = readonly.put("/weights/9/delta", params=upload, content=b"x")
     assert r.status_code == 403 and "read-only" in r.json()["detail"]
     with pytest.raises(TransportError, match="HTTP 401"):
         HttpTransport(client=client, token="wrong").publish(9, {"delta": b"x"})
+
+
+def test_http_publish_commits_only_the_blobs_it_uploaded(http_store, tmp_path):
+    """A publisher that died between its uploads and its commit left blobs in staging: a retry of the version
+    publishes exactly what it sent, never the aborted attempt's snapshot of other weights."""
+    store, client = http_store
+    writer, aborted = {"Authorization": "Bearer s3cret"}, {"upload": "0" * 32}
+    for kind in ("delta", "snapshot"):
+        r = client.put(f"/weights/5/{kind}", params=aborted, content=b"stale " + kind.encode(), headers=writer)
+        assert r.status_code == 204
+    HttpTransport(client=client, token="s3cret").publish(5, {"delta": b"fresh delta"})
+    assert store.versions() == {5: ["delta"]} and store.fetch(5, "delta") == b"fresh delta"
+    assert not list(tmp_path.glob(".upload-*"))   # the aborted attempt's staging went with the commit
+    client.put("/weights/6/delta", params=aborted, content=b"x", headers=writer)
+    r = client.post("/weights/6/commit", json={**aborted, "kinds": ["delta", "snapshot"]}, headers=writer)
+    assert r.status_code == 400 and "snapshot" in r.json()["detail"] and 6 not in store.versions()
+
+
+def test_a_blob_pruned_as_it_is_served_is_a_404_or_comes_whole(tmp_path, monkeypatch):
+    """The publisher prunes old versions while subscribers download them: a blob gone when the server opens it
+    is a 404 (MissingBlob), one pruned after that still arrives whole; never a 500 or a body cut short."""
+    store = FilesystemTransport(tmp_path)
+    store.publish(3, BLOBS)
+    store.publish(4, BLOBS)
+    real_open = builtins.open
+
+    def pruning_open(file, *args, **kwargs):  # version 3 is pruned just before its blob is opened, 4 just after
+        folder = Path(file).parent if isinstance(file, (str, os.PathLike)) else None
+        if folder == store.version_dir(3):
+            store.remove(3)
+        f = real_open(file, *args, **kwargs)
+        if folder == store.version_dir(4):
+            store.remove(4)
+        return f
+
+    monkeypatch.setattr(builtins, "open", pruning_open)
+    client = TestClient(create_weights_app(store), raise_server_exceptions=False)
+    r = client.get("/weights/3/snapshot")
+    assert r.status_code == 404 and "no snapshot for version 3" in r.json()["detail"]
+    r = client.get("/weights/4/snapshot")
+    assert r.status_code == 200 and r.content == BLOBS["snapshot"] and store.versions() == {}
+    store.publish(3, BLOBS)
+    with pytest.raises(MissingBlob):
+        HttpTransport(client=client).fetch(3, "delta")
 
 
 class BreakingStream(httpx.SyncByteStream):

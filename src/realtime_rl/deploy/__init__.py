@@ -10,7 +10,7 @@ Public API (other stages import only these names, from `realtime_rl.deploy`):
     FilesystemTransport(root) | HttpTransport(url) | RayTransport(name)   # where blobs travel
     weights_router(FilesystemTransport, write_token) / create_weights_app(...)   # serve a store over HTTP
     WeightState.of(tensors, version); encode_delta(base, new); encode_snapshot(state); decode(blob, base)
-    DeltaError (OutOfOrder), TransportError (MissingBlob), WeightSyncError
+    DeltaError (OutOfOrder), TransportError (MissingBlob, AlreadyPublished), WeightSyncError
 
     Registry.open(run_dir): versions with lineage and states (candidate, canary, live, retired,
         rolled_back); register / transition / promote / rollback are atomic; DataWindow, PolicyVersion
@@ -29,16 +29,16 @@ from realtime_rl.deploy.delta import (
 from realtime_rl.deploy.registry import STATES, DataWindow, PolicyVersion, Registry, Transition
 from realtime_rl.deploy.sync import PublishStats, WeightPublisher, WeightSubscriber, WeightSyncError
 from realtime_rl.deploy.transports import (
-    FilesystemTransport, HttpTransport, MissingBlob, TransportError, WeightTransport, create_weights_app,
-    weights_router,
+    AlreadyPublished, FilesystemTransport, HttpTransport, MissingBlob, TransportError, WeightTransport,
+    create_weights_app, weights_router,
 )
 
 __all__ = [
-    "ARMS", "Arm", "STATES", "DataWindow", "DeltaError", "FilesystemTransport", "HttpTransport", "MissingBlob", "OutOfOrder", "PolicyVersion", "PublishStats",
-    "RayTransport", "Registry", "Transition", "TransportError", "WeightPublisher", "WeightState", "WeightSubscriber", "WeightSyncError",
-    "WeightTransport",
-    "assign_arm", "create_weights_app", "decode", "encode_delta", "encode_snapshot", "read_header", "state_digest",
-    "tensor_digest", "user_point", "weights_router",
+    "ARMS", "AlreadyPublished", "Arm", "STATES", "DataWindow", "DeltaError", "FilesystemTransport",
+    "HttpTransport", "MissingBlob", "OutOfOrder", "PolicyVersion", "PublishStats", "RayTransport", "Registry",
+    "Transition", "TransportError", "WeightPublisher", "WeightState", "WeightSubscriber", "WeightSyncError",
+    "WeightTransport", "assign_arm", "create_weights_app", "decode", "encode_delta", "encode_snapshot",
+    "read_header", "state_digest", "tensor_digest", "user_point", "weights_router",
 ]
 
 

@@ -15,7 +15,9 @@ Rollout worker or gateway:
 `publish` casts to the published dtype (bf16 by default: fp32 master weights ship as bf16), digests
 every tensor, writes the delta from the previous published version and, every `snapshot_every`
 versions (and first), a snapshot; then prunes versions older than the `keep_snapshots`-th newest
-snapshot. Pass parameters, not a state_dict with tied aliases (those would travel twice).
+snapshot. Pass parameters, not a state_dict with tied aliases (those would travel twice). A publish
+that raised may still land (the transport cannot always tell), so the next publish carries a
+snapshot too: subscribers on the landed version cannot follow a delta from the one before it.
 
 `poll` walks the delta chain from the live version to the newest one; when the chain is broken (a
 version pruned or never written), longer than `max_chain`, or a blob is rejected, it starts again
@@ -23,8 +25,8 @@ from the newest snapshot and the deltas after it. Everything is decoded and veri
 weights; only a verified state is handed to `apply(state, version)` (the engine stages it and swaps
 between decode steps; `version` is the state's policy version, which is its store version unless the
 publisher labelled it otherwise, as a rollback does). A corrupt, truncated or out-of-order blob never
-reaches `apply`: poll raises WeightSyncError naming it, and the weights serving stay those of the last
-good version.
+reaches `apply`: poll raises WeightSyncError naming it, after applying the furthest version it could
+verify (if that is newer than the live one), so the weights serving are those of the last good version.
 
 Not here: deciding what to deploy (the registry and gate), multi-node broadcast (NCCL).
 """
@@ -48,7 +50,9 @@ log = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
-    """The subscriber could not reach the newest version; the weights it serves did not change."""
+    """The subscriber could not reach the newest version. If it verified a version newer than the live one
+    on the way, it applied that one before raising (`subscriber.version` says which); otherwise the weights
+    it serves did not change. Nothing unverified is ever applied."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,18 @@ class WeightPublisher:
         self.workers = workers
         self.last: WeightState | None = None
         self._since_snapshot = 0
+        self._snapshot_next = False
+        """A publish failed: its version may have landed after all, and only a snapshot follows from both."""
 
     def publish(self, tensors: Mapping[str, torch.Tensor], version: int,
                 policy_version: int | None = None) -> PublishStats:
         """Publish `tensors` (copied, cast to `dtype`) as `version`, which must exceed the last one.
         `policy_version`: the policy these weights are, when not `version` (subscribers stamp it on what they
-        generate): how a rolled-back policy is served again, as a new store version."""
+        generate): how a rolled-back policy is served again, as a new store version.
+
+        If it raises (TransportError, or anything else), the version may have landed anyway, now or later;
+        the next publish carries a snapshot, so whatever landed, every subscriber can reach it. Retrying the
+        same version then raises AlreadyPublished if the failed attempt did land: publish a later version."""
         t0 = time.perf_counter()
         if self.last is not None and version <= self.last.version:
             raise ValueError(f"versions must increase: published {self.last.version}, got {version}")
@@ -93,9 +103,16 @@ class WeightPublisher:
         blobs = {}
         if self.last is not None:
             blobs["delta"] = encode_delta(self.last, state, workers=self.workers)
-        if self.last is None or self._since_snapshot + 1 >= self.snapshot_every:
+        if self.last is None or self._snapshot_next or self._since_snapshot + 1 >= self.snapshot_every:
             blobs["snapshot"] = encode_snapshot(state)
-        self.transport.publish(version, blobs)
+        try:
+            self.transport.publish(version, blobs)
+        except BaseException:
+            # self.last stays the base of the next delta, which a subscriber on this version (if it landed) cannot
+            # follow: the snapshot beside that delta lets it recover.
+            self._snapshot_next = True
+            raise
+        self._snapshot_next = False
         self._since_snapshot = 0 if "snapshot" in blobs else self._since_snapshot + 1
         self.last = state
         self._prune()

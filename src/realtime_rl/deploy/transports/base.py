@@ -4,6 +4,11 @@ A version is published once, atomically, as a few named blobs: "delta" (from the
 version) and/or "snapshot" (the full weights). Readers never see a half-published version. Every
 call finishes or raises TransportError within the transport's timeout; nothing waits forever.
 
+A publish that raised TransportError may have landed anyway, then or later: the transfer can outlive
+the timeout that gave up on it (a filesystem writer thread, an HTTP commit whose answer was lost). So
+a publisher must not build on the version before it as if the failed one were absent (WeightPublisher
+makes its next publish carry a snapshot), and a retry may meet AlreadyPublished.
+
 Implementations: filesystem.py (a directory per version, made visible by one rename), http.py (a
 FastAPI router that serves a filesystem store, and a client with resumable downloads), ray.py (Ray's
 object store, indexed by a named actor).
@@ -25,6 +30,10 @@ class MissingBlob(TransportError):
     """The version or blob does not exist (never published, or pruned)."""
 
 
+class AlreadyPublished(TransportError):
+    """The version exists already; on a retry, the attempt that raised landed after all."""
+
+
 def check_blobs(version: int, blobs: Mapping[str, bytes]) -> None:
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
@@ -38,7 +47,8 @@ class WeightTransport(ABC):
 
     @abstractmethod
     def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
-        """Make `blobs` visible under `version`, all at once; TransportError if it already exists."""
+        """Make `blobs` visible under `version`, all at once; AlreadyPublished if it already exists.
+        Any other TransportError leaves it unknown whether the version landed (see the module docstring)."""
 
     @abstractmethod
     def versions(self) -> dict[int, list[str]]:

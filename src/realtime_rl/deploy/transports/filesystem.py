@@ -6,7 +6,8 @@
 `publish` writes into `root/.staging-*`, fsyncs, then renames the directory to its version name, so a
 reader sees a version whole or not at all; `remove` renames it away before deleting. Works on a
 local disk or a shared filesystem (NFS, a mounted bucket); each call runs on a helper thread and
-gives up with TransportError after `timeout_s`, so a hung mount cannot hang the caller.
+gives up with TransportError after `timeout_s`, so a hung mount cannot hang the caller. The helper
+thread cannot be stopped: a publish given up on may still rename its version into place later.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from realtime_rl.deploy.transports.base import (
-    KINDS, MissingBlob, TransportError, WeightTransport, check_blobs,
+    KINDS, AlreadyPublished, MissingBlob, TransportError, WeightTransport, check_blobs,
 )
 from realtime_rl.model.checkpoint import fsync_path
 
@@ -67,19 +68,20 @@ class FilesystemTransport(WeightTransport):
         return Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
 
     def commit(self, staging: Path, version: int) -> None:
-        """Rename a filled staging directory to `version`; TransportError if that version exists."""
+        """Rename a filled staging directory to `version`; AlreadyPublished if that version exists."""
         fsync_path(staging)
         try:
             os.rename(staging, self.version_dir(version))
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            raise TransportError(f"cannot publish version {version} in {self.root}: {exc}") from exc
+            error = AlreadyPublished if self.version_dir(version).exists() else TransportError
+            raise error(f"cannot publish version {version} in {self.root}: {exc}") from exc
         fsync_path(self.root)
 
     def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
         check_blobs(version, blobs)
         if self.version_dir(version).exists():
-            raise TransportError(f"version {version} is already published in {self.root}")
+            raise AlreadyPublished(f"version {version} is already published in {self.root}")
 
         def write() -> None:
             staging = self.staging_dir()

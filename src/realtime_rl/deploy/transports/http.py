@@ -5,13 +5,16 @@ Server (mount it in the gateway or the registry, or run it alone):
     app.include_router(weights_router(FilesystemTransport("runs/weights"), write_token="s3cret"))
     # or: uvicorn.run(create_weights_app(FilesystemTransport("runs/weights")))
 
-    GET    /weights/versions              {"versions": {"12": ["delta", "snapshot"], ...}}
-    GET    /weights/{version}/{kind}      the blob; honours Range (206) so downloads resume
-    PUT    /weights/{version}/{kind}      upload a blob into staging          (bearer write token)
-    POST   /weights/{version}/commit      publish the staged blobs atomically (bearer write token)
-    DELETE /weights/{version}             forget a version                    (bearer write token)
+    GET    /weights/versions                    {"versions": {"12": ["delta", "snapshot"], ...}}
+    GET    /weights/{version}/{kind}            the blob; honours `Range: bytes=a-[b]` (206): downloads resume
+    PUT    /weights/{version}/{kind}?upload=ID  upload a blob into that upload's staging (bearer write token)
+    POST   /weights/{version}/commit            {"upload": ID, "kinds": [...]}: publish exactly those blobs
+                                                of that upload, atomically              (bearer write token)
+    DELETE /weights/{version}                   forget a version                        (bearer write token)
 
-Without a write token the store is read-only over HTTP (writes answer 403).
+Without a write token the store is read-only over HTTP (writes answer 403). Each publish uploads under a
+fresh ID, so blobs that an aborted attempt left in staging are never committed with a later one; the
+commit deletes every staging folder of its version. A version that exists answers 409.
 
 Client: `HttpTransport("http://host:8000", timeout_s=30)`; every request carries the timeout (also on an
 injected client, whose timeout it sets) and a
@@ -21,26 +24,39 @@ download that breaks off resumes from the bytes it has (Range) up to `max_resume
 
 from __future__ import annotations
 
+import os
+import re
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
-from typing import Annotated, Literal
+from collections.abc import Iterator, Mapping
+from typing import Annotated, BinaryIO, Literal
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
-from fastapi.responses import FileResponse
-from pydantic import BaseModel
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
 
-from realtime_rl.deploy.transports.base import MissingBlob, TransportError, WeightTransport, check_blobs
+from realtime_rl.deploy.transports.base import (
+    AlreadyPublished, MissingBlob, TransportError, WeightTransport, check_blobs,
+)
 from realtime_rl.deploy.transports.filesystem import SUFFIX, FilesystemTransport
 
 Kind = Literal["delta", "snapshot"]
+UPLOAD_ID = r"^[0-9a-f]{16,64}$"
+UploadId = Annotated[str, Query(pattern=UPLOAD_ID, description="one publish attempt's staging (hex)")]
 
 
 class VersionsPublic(BaseModel):
     versions: dict[int, list[str]]
     """Published version -> the blob kinds it holds."""
+
+
+class CommitCreate(BaseModel):
+    upload: str = Field(pattern=UPLOAD_ID)
+    """The ID the blobs were PUT under: one per publish attempt."""
+    kinds: list[Kind] = Field(min_length=1)
+    """The blobs that make up the version; each must have been uploaded, and only these are published."""
 
 
 def weights_router(store: FilesystemTransport, write_token: str | None = None) -> APIRouter:
@@ -55,8 +71,12 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
 
     writer = [Depends(require_writer)]
 
-    def upload_dir(version: int):
-        return store.root / f".upload-{version:010d}"
+    def upload_dir(version: int, upload: str):
+        return store.root / f".upload-{version:010d}-{upload}"
+
+    def drop_uploads(version: int) -> None:
+        for folder in store.root.glob(f".upload-{version:010d}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
 
     @router.get("/versions")
     def versions() -> VersionsPublic:
@@ -66,17 +86,33 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
             raise HTTPException(503, str(exc)) from exc
 
     @router.get("/{version}/{kind}")
-    def blob(version: int, kind: Kind) -> FileResponse:
-        path = store.blob_path(version, kind)
-        if not path.is_file():
-            raise HTTPException(404, f"no {kind} for version {version}")
-        return FileResponse(path, media_type="application/octet-stream")
+    def blob(version: int, kind: Kind,
+             range_: Annotated[str | None, Header(alias="range")] = None) -> StreamingResponse:
+        # Served from a handle opened before answering: a version pruned after this still reads whole, and
+        # one pruned before is a 404 (FileResponse opens the path only after sending its 200).
+        try:
+            f = open(store.blob_path(version, kind), "rb")
+        except FileNotFoundError:
+            raise HTTPException(404, f"no {kind} for version {version}") from None
+        size = os.fstat(f.fileno()).st_size
+        start, end, status, headers = 0, size, 200, {"accept-ranges": "bytes"}
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", range_ or "")
+        if wanted:  # the form HttpTransport resumes with; HTTP lets a server answer any other with the whole blob
+            start, status = int(wanted[1]), 206
+            end = min(size, int(wanted[2]) + 1) if wanted[2] else size
+            if start >= end:
+                f.close()
+                raise HTTPException(416, f"range {range_} is outside {size} bytes",
+                                    headers={"content-range": f"bytes */{size}"})
+            headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+        headers["content-length"] = str(end - start)
+        return StreamingResponse(read_span(f, start, end), status, headers, media_type="application/octet-stream")
 
     @router.put("/{version}/{kind}", status_code=204, dependencies=writer)
-    async def upload(version: int, kind: Kind, request: Request) -> None:
+    async def upload(version: int, kind: Kind, upload: UploadId, request: Request) -> None:
         if store.version_dir(version).exists():
             raise HTTPException(409, f"version {version} is already published")
-        folder = upload_dir(version)
+        folder = upload_dir(version, upload)
         folder.mkdir(exist_ok=True)
         with open(folder / f"{kind}{SUFFIX}.part", "wb") as f:
             async for chunk in request.stream():
@@ -84,19 +120,26 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
         (folder / f"{kind}{SUFFIX}.part").rename(folder / f"{kind}{SUFFIX}")
 
     @router.post("/{version}/commit", status_code=201, dependencies=writer)
-    def commit(version: int) -> VersionsPublic:
-        folder = upload_dir(version)
-        if not folder.is_dir() or not any(folder.glob(f"*{SUFFIX}")):
-            raise HTTPException(400, f"nothing uploaded for version {version}: PUT its blobs first")
-        for leftover in folder.glob("*.part"):
-            leftover.unlink()
+    def commit(version: int, body: CommitCreate) -> VersionsPublic:
         if store.version_dir(version).exists():
-            shutil.rmtree(folder, ignore_errors=True)
+            drop_uploads(version)
             raise HTTPException(409, f"version {version} is already published")
+        folder = upload_dir(version, body.upload)
+        named = {f"{kind}{SUFFIX}" for kind in body.kinds}
+        missing = sorted(named - {p.name for p in folder.glob(f"*{SUFFIX}")})
+        if missing:
+            raise HTTPException(400, f"upload {body.upload} of version {version} lacks {missing}: PUT them first")
+        for path in folder.iterdir():
+            if path.name not in named:  # a broken-off .part, or a blob this commit does not name
+                path.unlink()
         try:
             store.commit(folder, version)
-        except TransportError as exc:
+        except AlreadyPublished as exc:
             raise HTTPException(409, str(exc)) from exc
+        except TransportError as exc:
+            raise HTTPException(503, str(exc)) from exc
+        finally:
+            drop_uploads(version)
         return VersionsPublic(versions={version: store.versions().get(version, [])})
 
     @router.delete("/{version}", status_code=204, dependencies=writer)
@@ -104,6 +147,18 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
         store.remove(version)
 
     return router
+
+
+def read_span(f: BinaryIO, start: int, end: int, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+    """Bytes [start, end) of an open file, in chunks; closes it."""
+    with f:
+        f.seek(start)
+        while start < end:
+            chunk = f.read(min(chunk_size, end - start))
+            if not chunk:
+                return
+            start += len(chunk)
+            yield chunk
 
 
 def create_weights_app(store: FilesystemTransport, write_token: str | None = None) -> FastAPI:
@@ -133,15 +188,20 @@ class HttpTransport(WeightTransport):
             raise TransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         if response.status_code == 404:
             raise MissingBlob(f"{method} {url}: {_detail(response)}")
+        if response.status_code == 409:
+            raise AlreadyPublished(f"{method} {url}: {_detail(response)}")
         if response.status_code >= 400:
             raise TransportError(f"{method} {url}: HTTP {response.status_code}: {_detail(response)}")
         return response
 
     def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
         check_blobs(version, blobs)
+        upload = secrets.token_hex(16)  # this attempt's own staging: nothing an aborted attempt left is committed
         for kind, data in blobs.items():
-            self._request("PUT", f"/weights/{version}/{kind}", content=data, headers=self._auth)
-        self._request("POST", f"/weights/{version}/commit", headers=self._auth)
+            self._request("PUT", f"/weights/{version}/{kind}", params={"upload": upload}, content=data,
+                          headers=self._auth)
+        commit = CommitCreate(upload=upload, kinds=list(blobs))
+        self._request("POST", f"/weights/{version}/commit", json=commit.model_dump(), headers=self._auth)
 
     def versions(self) -> dict[int, list[str]]:
         body = self._request("GET", "/weights/versions").json()

@@ -19,7 +19,9 @@ from collections.abc import Mapping
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from realtime_rl.deploy.transports.base import MissingBlob, TransportError, WeightTransport, check_blobs
+from realtime_rl.deploy.transports.base import (
+    AlreadyPublished, MissingBlob, TransportError, WeightTransport, check_blobs,
+)
 
 
 @ray.remote(num_cpus=0)
@@ -87,7 +89,7 @@ class RayTransport(WeightTransport):
     def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
         check_blobs(version, blobs)
         if not self._get(self._directory.add.remote(version, dict(blobs)), f"publishing version {version}"):
-            raise TransportError(f"version {version} is already published in Ray directory {self.name!r}")
+            raise AlreadyPublished(f"version {version} is already published in Ray directory {self.name!r}")
 
     def versions(self) -> dict[int, list[str]]:
         return self._get(self._directory.versions.remote(), f"listing Ray directory {self.name!r}")
