@@ -17,6 +17,7 @@ What it runs, in order, and says so:
 
 from __future__ import annotations
 
+import math
 import secrets
 import shutil
 import threading
@@ -40,8 +41,8 @@ from realtime_rl.serve import serve_in_process
 from realtime_rl.train import ensure_base_model
 
 
-def _traffic(run_dir: Path, since: float, until: float,
-             persist_window_s: float) -> tuple[dict[str, int], list[ABRecord]]:
+def _traffic(run_dir: Path, since: float, until: float, persist_window_s: float,
+             horizon_s: float) -> tuple[dict[str, int], list[ABRecord]]:
     store = open_event_store(run_dir, "sqlite")
     try:
         traffic = read_traffic(store, since, until)
@@ -49,14 +50,14 @@ def _traffic(run_dir: Path, since: float, until: float,
         store.close()
     version = {c.completion_id: c.model_version for c in traffic.completions}
     return version, ab_records(traffic.completions, [e for evs in traffic.events.values() for e in evs],
-                               persist_window_s)
+                               persist_window_s, horizon_s)
 
 
 def traffic_by_version(run_dir: Path, since: float, until: float,
-                       persist_window_s: float = 0.0) -> dict[int, dict[str, float]]:
+                       persist_window_s: float = 0.0, horizon_s: float = math.inf) -> dict[int, dict[str, float]]:
     """Completions, edits kept and reverted, and dissatisfied follow-ups of the traffic in [since, until),
-    per served version (kept: an edit_persisted of at least `persist_window_s`, as the reward rules count)."""
-    version, records = _traffic(run_dir, since, until, persist_window_s)
+    per served version (kept and reverted as the reward rules decide an edit with these windows: ab_records)."""
+    version, records = _traffic(run_dir, since, until, persist_window_s, horizon_s)
     out: dict[int, dict[str, float]] = {}
     for r in records:
         s = out.setdefault(version[r.completion_id], {"completions": 0, "kept": 0, "reverted": 0, "dissatisfied": 0})
@@ -68,11 +69,11 @@ def traffic_by_version(run_dir: Path, since: float, until: float,
 
 
 def traffic_progress(run_dir: Path, base: int, live: int, since: float, until: float,
-                     persist_window_s: float = 0.0) -> ABReport:
+                     persist_window_s: float = 0.0, horizon_s: float = math.inf) -> ABReport:
     """Edits kept, dissatisfied follow-ups and latency of everything `live` served against everything `base`
     served, intervals clustered by user (the A/B analysis with the two versions as its arms). The two served
     at different times: a comparison of versions under the same users, not a randomised experiment."""
-    version, records = _traffic(run_dir, since, until, persist_window_s)
+    version, records = _traffic(run_dir, since, until, persist_window_s, horizon_s)
     arms = {base: "champion", live: "candidate"}
     paired = [replace(r, arm=arms[version[r.completion_id]]) for r in records if version[r.completion_id] in arms]
     return analyze(paired, ABConfig(min_completions_per_arm=1, min_edits_per_arm=1, min_users_per_arm=2))
@@ -127,7 +128,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
                    "gate (new candidate)"):
         table.add_column(column, justify="right")
     starts = [r["window_start"] for r in reports] + [time.time()]
-    persist_window_s = config.loop.rewards.persist_window_s
+    persist_window_s, horizon_s = config.loop.rewards.persist_window_s, config.loop.rewards.horizon_s
     for r, since, until in zip(reports, starts, starts[1:]):
         canary, gate = r.get("canary") or {}, r.get("gate") or {}
         verdict = f"v{canary['version']} {canary['decision']}" if canary else "-"
@@ -135,7 +136,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
             gated = f"v{gate['version']} {gate['decision']}"
         else:
             gated = "none: too little traffic" if (r.get("train") or {}).get("skipped") else "-"
-        for version, s in sorted(traffic_by_version(serve_dir, since, until, persist_window_s).items()):
+        for version, s in sorted(traffic_by_version(serve_dir, since, until, persist_window_s, horizon_s).items()):
             resolved = s["kept"] + s["reverted"]
             kept = f"{100 * s['kept'] / resolved:.1f} ({s['kept']}/{resolved})" if resolved else "-"
             table.add_row(str(r["cycle"]), f"v{r['live_version']}", f"v{version}", str(s["completions"]), kept,
@@ -145,7 +146,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     base, live = progress["base"], progress["live"]
     progress["traffic"] = None
     if live != base:
-        served = traffic_progress(serve_dir, base, live, starts[0], starts[-1], persist_window_s)
+        served = traffic_progress(serve_dir, base, live, starts[0], starts[-1], persist_window_s, horizon_s)
         progress["traffic"] = served.to_dict()
         kept = served.metrics["edits_kept"]
         table = Table(title=f"did the agent improve? v{live} (live at the end) against v{base} (the base)")

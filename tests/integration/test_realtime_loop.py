@@ -12,10 +12,12 @@ and in report.html.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -42,7 +44,10 @@ def event(kind: str, completion_id: str, **fields: object) -> dict:
 class Users:
     """Users who ask, then keep or revert the answer (the test's stand-in for taste): they keep the candidate
     arm's edits until `liked_version` is set, then the edits of that version only, whichever arm serves it
-    (so no switch of taste races a cycle's end)."""
+    (so no switch of taste races a cycle's end). A kept edit's edit_persisted goes out once its window has
+    passed (the rules measure it on the store's clock); meanwhile they go on asking."""
+
+    WINDOW_S = 1.0
 
     def __init__(self, url: str) -> None:
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[0].key, timeout=30, max_retries=2)
@@ -53,6 +58,7 @@ class Users:
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
+        kept: collections.deque[tuple[float, dict]] = collections.deque()  # (when it is due, edit_persisted)
         for user in itertools.cycle(USERS):
             if self.stop.is_set():
                 return
@@ -63,9 +69,14 @@ class Users:
                 arm, completion = raw.headers["x-rtrl-arm"], raw.parse()
                 liked = (arm == "candidate" if self.liked_version is None
                          else completion.system_fingerprint == f"rtrl-v{self.liked_version}")
-                events = [event("edit_accepted", completion.id),
-                          event("edit_persisted", completion.id, window_s=1.0) if liked
-                          else event("edit_reverted", completion.id)]
+                events = [event("edit_accepted", completion.id)]
+                if liked:
+                    kept.append((time.monotonic() + self.WINDOW_S,
+                                 event("edit_persisted", completion.id, window_s=self.WINDOW_S)))
+                else:
+                    events.append(event("edit_reverted", completion.id))
+                while kept and kept[0][0] <= time.monotonic():
+                    events.append(kept.popleft()[1])
                 r = self.feedback.post("/v1/feedback", json={"events": events})
                 assert r.status_code == 200, r.text
             except Exception as e:  # noqa: BLE001 (reported by the test, never swallowed)
@@ -73,8 +84,8 @@ class Users:
                 return
 
 
-@pytest.mark.slow
-def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokenizer):
+def _base_and_gateway(tmp_path: Path, tokenizer) -> tuple[Path, Path, Path, ServeConfig]:
+    """A tiny base checkpoint, and a gateway serving it whose arms follow the loop's weight stores."""
     model = Qwen3ForCausalLM(tiny_config(moe=True, vocab_size=tokenizer.vocab_size))
     model.reset_parameters(seed=0)
     base = save_checkpoint(tmp_path / "base", model, tokenizer)
@@ -82,6 +93,12 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
     settings = ServeConfig(checkpoint=base, run_dir=serve_dir, api_keys=KEYS, port=0, max_seq_len=512,
                            weights=str(RealtimeLoop.champion_store(loop_dir)),
                            candidate_weights=str(RealtimeLoop.candidate_store(loop_dir)), weights_poll_s=0.2)
+    return base, loop_dir, serve_dir, settings
+
+
+@pytest.mark.slow
+def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokenizer):
+    base, loop_dir, serve_dir, settings = _base_and_gateway(tmp_path, tokenizer)
     rules = RewardRules(version="test-v1", persist_window_s=1.0, followup_window_s=0.0, horizon_s=30.0)
     with serve_in_thread(settings) as url:
         config = LoopConfig(
@@ -162,3 +179,31 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
     assert not users.errors, users.errors
     report = write_report(loop_dir).read_text()
     assert "<svg" in report and "Canary" in report and "promote" in report and "rollback" in report
+
+
+@pytest.mark.slow
+def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_again(tmp_path, tokenizer):
+    """The loop stopped after the registry made v1 the canary, before its weights reached the gateway and its
+    share of users was raised: the restarted loop deploys it instead of judging it on no traffic."""
+    base, loop_dir, serve_dir, settings = _base_and_gateway(tmp_path, tokenizer)
+    model = Qwen3ForCausalLM(tiny_config(moe=True, vocab_size=tokenizer.vocab_size))
+    model.reset_parameters(seed=1)
+    other = save_checkpoint(tmp_path / "other", model, tokenizer)
+    with serve_in_thread(settings) as url:
+        config = LoopConfig(run_dir=loop_dir, base_checkpoint=base, gateway_url=url, admin_key=KEYS[1].key,
+                            store_dir=serve_dir, gate_tasks=4, canary_tasks=0, ab=ABConfig(candidate_fraction=0.25))
+        RealtimeLoop(config).close()  # bootstraps v0 and publishes it to the champion arm
+        with Registry.open(loop_dir) as registry:  # then a cycle's gate got as far as the registry
+            registry.register(other, parent=0)
+            registry.transition(1, "canary", reason="gate: test")
+        loop = RealtimeLoop(config)
+        try:
+            assert loop.state.canary == 1 and loop.gateway.traffic()["candidate_fraction"] == 0.0
+            actions = loop._follow_registry()
+            assert any("canary v1" in a and "deployed" in a for a in actions), actions
+            traffic = loop.gateway.traffic()
+            assert traffic["candidate_fraction"] == 0.25 and traffic["salt"] == "canary-v1"
+            assert traffic["arms"]["candidate"]["version"] == 1
+            assert loop._follow_registry() == []  # once
+        finally:
+            loop.close()

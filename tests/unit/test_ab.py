@@ -1,11 +1,14 @@
 """The A/B analysis on seeded synthetic traffic: a win is promoted, a guardrail regression and a sample-ratio
 mismatch roll back, too little data continues; with users who differ, intervals clustered by user keep an
-A/A test honest where per-completion intervals do not; records are built from a real event store."""
+A/A test honest where per-completion intervals do not, and an arm without variance falls back to the binomial
+intervals rather than a zero-width one; records are built from a real event store, and count an edit kept exactly
+when the reward rules pay it as persisted."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +16,9 @@ from rich.console import Console
 
 from realtime_rl.collect import ChoiceRecord, CompletionRecord, FeedbackEvent, SqliteEventStore
 from realtime_rl.config.loop import ABConfig
+from realtime_rl.config.rewards import RewardRules
 from realtime_rl.evaluate.ab import ABRecord, Estimate, ab_records, analyze
+from realtime_rl.rewards import Item, settle
 
 
 def traffic(seed: int, users: int = 800, per_user: int = 5, fraction: float = 0.5, kept: tuple = (0.6, 0.6),
@@ -177,23 +182,67 @@ def test_one_user_per_arm_continues_without_intervals():
     assert report.decision == "continue" and "no interval" in report.reasons[0]
 
 
-def test_identical_outcomes_collapse_the_interval_to_the_point_and_decide_nothing_by_rounding():
-    # Every edit kept, every latency 1 s, in both arms.
+@pytest.mark.filterwarnings("ignore:Precision loss:RuntimeWarning")  # cluster="none": Student t of equal values
+def test_identical_outcomes_take_the_binomial_intervals_and_a_constant_mean_has_none():
+    # Every edit kept, every latency 1 s, in both arms: no variance for the cluster fit to estimate.
     records = [ABRecord(f"c{i}", ("champion", "candidate")[i % 2], f"user-{i % 20}", True, True, False, False,
                         1.0) for i in range(400)]
     report = analyze(records, ABConfig())
     kept = report.metrics["edits_kept"]
-    assert kept.champion == kept.candidate == Estimate(1.0, 1.0, 1.0)
-    assert kept.difference == Estimate(0.0, 0.0, 0.0) and kept.p_value is None
+    independent = analyze(records, ABConfig(cluster="none")).metrics["edits_kept"]
+    assert kept.champion == kept.candidate == independent.champion  # Wilson, 200 of 200: not a rate of 1 for sure
+    assert kept.champion.low < 0.99 and kept.difference == independent.difference and kept.difference.low < 0
+    assert kept.method == "cluster-robust (users); Wilson, Newcombe hull (no variance: champion, candidate)"
+    mean = report.metrics["latency_mean_s"]
+    assert mean.difference == Estimate(0.0) and mean.champion == Estimate(1.0) and mean.p_value is None
     assert report.metrics["latency_p50_s"].difference == Estimate(0.0, 0.0, 0.0)
     assert report.decision == "continue", report.reasons
 
 
+def few_users_who_keep_everything(candidate_reverts: int = 0) -> list[ABRecord]:
+    """4 users per arm, 13 resolved edits each, all kept but the first `candidate_reverts` of one candidate user."""
+    records = []
+    for arm in ("champion", "candidate"):
+        for u in range(4):
+            for j in range(13):
+                reverted = arm == "candidate" and u == 0 and j < candidate_reverts
+                records.append(ABRecord(f"c-{arm}-{u}-{j}", arm, f"{arm}-{u}", True, not reverted, reverted, False,
+                                        1.0 + 0.01 * j))
+    return records
+
+
+def test_every_edit_kept_in_both_arms_is_not_shown_non_inferior_by_a_zero_width_interval():
+    # 52 of 52 kept in each arm: Wilson's interval for each is [93.1%, 100%], Newcombe's difference about +-6.9
+    # points. A cluster fit has no variance to estimate and once gave [+0.00, +0.00], which "promoted".
+    report = analyze(few_users_who_keep_everything(), ABConfig(primary_margin=0.05, bootstrap_resamples=200))
+    assert report.decision == "continue", report.reasons
+    assert report.reasons[0].startswith("edits kept not shown non-inferior yet: +0.00 points (95% CI [-6.88, +6.88])")
+    kept = report.metrics["edits_kept"]
+    assert kept.champion.low == pytest.approx(0.9312, abs=1e-4) and kept.champion.high == 1.0
+    assert "no variance: champion, candidate" in kept.method
+    assert report.to_dict()["metrics"]["edits_kept"]["method"] == kept.method
+
+
+def test_an_arm_without_variance_widens_the_clustered_difference_by_its_binomial_uncertainty():
+    # The champion keeps 52 of 52; one candidate user reverts one edit. The clustered difference takes the
+    # champion's rate as exactly 1 ([-6.2, +2.3] points) and would show non-inferiority at 7 points; the hull
+    # with Newcombe's interval keeps the champion's uncertainty.
+    records = few_users_who_keep_everything(candidate_reverts=1)
+    config = ABConfig(primary_margin=0.07, bootstrap_resamples=200)
+    report = analyze(records, config)
+    assert report.decision == "continue", report.reasons
+    kept = report.metrics["edits_kept"]
+    independent = analyze(records, config.model_copy(update={"cluster": "none"})).metrics["edits_kept"]
+    assert kept.difference.low == independent.difference.low < -0.07 and kept.p_value is not None
+    assert kept.champion == independent.champion and kept.candidate != independent.candidate  # the candidate varies
+    assert kept.method.endswith("(no variance: champion)")
+
+
 def completion(cid: str, user: str | None, arm: str, latency_s: float,
-               session: str | None = None) -> CompletionRecord:
+               session: str | None = None, created_at: float = 1000.0) -> CompletionRecord:
     choice = ChoiceRecord(index=0, token_ids=[1, 2], logprobs=[-0.1, -0.2], raw_logprobs=[-0.1, -0.2],
                           versions=[1, 1], finish_reason="stop", text="ok", content="ok")
-    record = CompletionRecord(completion_id=cid, created_at=1000.0, model_name="m", model_version=1,
+    record = CompletionRecord(completion_id=cid, created_at=created_at, model_name="m", model_version=1,
                               prompt_token_ids=[0], choices=[choice], request_json="{}", user=user,
                               session_id=session, latency_s=latency_s)
     record.arm = arm  # the gateway sets it from deploy.canary.assign_arm
@@ -210,8 +259,8 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
         FeedbackEvent("e1", "edit_accepted", completion_id="a"),
         FeedbackEvent("e2", "edit_persisted", completion_id="a", window_s=600.0),
         FeedbackEvent("e3", "edit_accepted", completion_id="b"),
-        FeedbackEvent("e4", "edit_persisted", completion_id="b", window_s=300.0),
-        FeedbackEvent("e5", "edit_reverted", completion_id="b"),          # a revert after a persist wins
+        FeedbackEvent("e4", "edit_reverted", completion_id="b"),          # the first decision wins
+        FeedbackEvent("e5", "edit_persisted", completion_id="b", window_s=300.0),
         FeedbackEvent("e6", "followup_dissatisfied", completion_id="b"),
         FeedbackEvent("e7", "edit_accepted", completion_id="c"),          # still inside its window: pending
         FeedbackEvent("e8", "followup_dissatisfied", session_id="s9"),    # session-only: not attributed
@@ -231,21 +280,61 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
 
 
 def test_a_persist_shorter_than_the_reward_rules_window_does_not_count_as_kept(tmp_path):
-    # The reward rules settle an edit as kept only at window_s >= persist_window_s; the A/B counts the same.
+    # The reward rules settle an edit as kept only once its window_s and the store's clock (recorded_at -
+    # created_at) both reach persist_window_s; the A/B counts the same.
     store = SqliteEventStore(tmp_path / "events.sqlite")
-    store.add_completion(completion("short", "u1", "champion", 0.5))
-    store.add_completion(completion("long", "u2", "candidate", 0.5))
+    now = time.time()
+    store.add_completion(completion("short", "u1", "champion", 0.5, created_at=now - 20.0))
+    store.add_completion(completion("early", "u3", "champion", 0.5, created_at=now))
+    store.add_completion(completion("long", "u2", "candidate", 0.5, created_at=now - 20.0))
     store.add_events([
         FeedbackEvent("e1", "edit_accepted", completion_id="short"),
         FeedbackEvent("e2", "edit_persisted", completion_id="short", window_s=5.0),
         FeedbackEvent("e3", "edit_persisted", completion_id="long", window_s=15.0),
+        FeedbackEvent("e4", "edit_persisted", completion_id="early", window_s=15.0),  # claimed, not yet 15 s
     ])
     records = {r.completion_id: r for r in ab_records(store.list_completions(), store.list_events(),
                                                       persist_window_s=15.0)}
     assert records["short"] == ABRecord("short", "champion", "u1", True, False, False, False, 0.5)  # pending
+    assert records["early"] == ABRecord("early", "champion", "u3", True, False, False, False, 0.5)  # pending
     assert records["long"] == ABRecord("long", "candidate", "u2", True, True, False, False, 0.5)
     report = analyze(list(records.values()), ABConfig())
-    assert report.arms["champion"]["pending_edits"] == 1 and report.arms["champion"]["kept"] == 0
+    assert report.arms["champion"]["pending_edits"] == 2 and report.arms["champion"]["kept"] == 0
     # Without a window (the default) any edit_persisted is kept.
     assert all(r.kept for r in ab_records(store.list_completions(), store.list_events()))
     store.close()
+
+
+def test_the_ab_counts_an_edit_kept_exactly_when_the_rewards_pay_it_as_persisted():
+    # The first decision on the store's clock within the horizon wins, in both (RewardRules: persist 600 s,
+    # horizon 3600 s). Completions are created at 1000.
+    rules = RewardRules()
+
+    def stored(cid: str, *events: tuple[str, float, float | None]) -> list[FeedbackEvent]:
+        return [FeedbackEvent(f"{cid}-{k}", kind, completion_id=cid, window_s=window_s, recorded_at=at, seq=k)
+                for k, (kind, at, window_s) in enumerate(events)]
+
+    events = {
+        # Persisted past its window, then reverted: the rewards pay the persist (and the revert comes late).
+        "persisted_then_reverted": stored("persisted_then_reverted", ("edit_accepted", 1001, None),
+                                          ("edit_persisted", 1601, 600.0), ("edit_reverted", 1700, None)),
+        "reverted_then_persisted": stored("reverted_then_persisted", ("edit_accepted", 1001, None),
+                                          ("edit_reverted", 1100, None), ("edit_persisted", 1700, 600.0)),
+        # A 600 s window claimed 5 s after the completion decides nothing; the revert does.
+        "claimed_early": stored("claimed_early", ("edit_accepted", 1002, None), ("edit_persisted", 1005, 600.0),
+                                ("edit_reverted", 1100, None)),
+        # Nothing decided by the horizon (4600): censored, pending in the A/B.
+        "after_horizon": stored("after_horizon", ("edit_accepted", 1001, None), ("edit_persisted", 4700, 600.0)),
+        "rejected": stored("rejected", ("edit_rejected", 1001, None), ("edit_persisted", 1700, 600.0)),
+    }
+    completions = [completion(cid, f"u{k}", "champion", 0.5) for k, cid in enumerate(events)]
+    records = {r.completion_id: r for r in ab_records(completions, [e for evs in events.values() for e in evs],
+                                                      rules.persist_window_s, rules.horizon_s)}
+    assert [(cid, r.edited, r.kept, r.reverted) for cid, r in records.items()] == [
+        ("persisted_then_reverted", True, True, False), ("reverted_then_persisted", True, False, True),
+        ("claimed_early", True, False, True), ("after_horizon", True, False, False), ("rejected", False, False, False)]
+    for cid, evs in events.items():
+        item = Item(cid, 0, created_at=1000.0, model_version=1, kind="edit", malformed_calls=0, response_tokens=2)
+        paid = {c.source for c in settle(item, evs, rules, now=1e9).components if c.amount != 0}
+        assert (records[cid].kept, records[cid].reverted) == ("event:edit_persisted" in paid,
+                                                              "event:edit_reverted" in paid), cid

@@ -415,33 +415,90 @@ def test_two_stores_writing_at_once_keep_seq_in_commit_order(open_store):
     assert [e.seq for e in reader.list_events(limit=1000)] == list(range(1, 401))
 
 
+def _held(store, committer_calls: list[int]) -> threading.Event:
+    """Make the store's first add_event_batches wait until the returned gate opens, so that what is submitted
+    meanwhile gathers into one group (each call's batch count goes into committer_calls)."""
+    gate, real = threading.Event(), store.add_event_batches
+
+    def held(batches):
+        committer_calls.append(len(batches))
+        if len(committer_calls) == 1:
+            gate.wait(30)
+        return real(batches)
+
+    store.add_event_batches = held
+    return gate
+
+
 def test_the_group_committer_shares_commits_and_keeps_batches_apart(store):
-    commits = []
-    committer = GroupCommitter(store, on_commit=lambda b, n, s: commits.append((b, n)))
+    commits, calls = [], []
     store.add_events(make_events("taken", 1))
+    gate = _held(store, calls)
+    committer = GroupCommitter(store, on_commit=lambda b, n, s: commits.append((b, n)))
     conflicting = make_events("taken", 1)[0]
     conflicting.value = 1.0
-    barrier = threading.Barrier(8)
-    futures = {}
-
-    def submit(i: int) -> None:
-        barrier.wait()
-        batch = make_events(f"t{i}", 10) if i != 3 else [*make_events("t3", 10), conflicting]
-        futures[i] = committer.submit(batch)
-
-    threads = [threading.Thread(target=submit, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    futures = {0: committer.submit(make_events("t0", 10))}
+    while not calls:  # the first batch's commit has started, and waits
+        time.sleep(0.01)
+    for i in range(1, 8):
+        futures[i] = committer.submit(make_events(f"t{i}", 10) if i != 3 else [*make_events("t3", 10), conflicting])
+    gate.set()
     results = {i: f.result(timeout=30) for i, f in futures.items()}
     committer.close()
     assert results[3].conflicts == ["taken-0"] and not results[3].stored
     assert all(results[i].stored == [f"t{i}-{j}" for j in range(10)] for i in results if i != 3)
     assert store.count_events() == 1 + 7 * 10
-    assert sum(b for b, _ in commits) == 8 and len(commits) <= 8
+    assert commits == [(1, 10), (7, 71)]  # the seven that waited share one commit, each batch atomic on its own
     with pytest.raises(RuntimeError, match="closed"):
         committer.submit(make_events("after", 1))
+
+
+def test_a_batch_the_store_refuses_fails_alone_and_a_failing_store_fails_the_rest_untried(store):
+    calls: list[int] = []
+    gate = _held(store, calls)
+    held = store.add_event_batches
+
+    def refusing(batches):
+        if any(e.event_id.startswith("bad") for batch in batches for e in batch):
+            calls.append(len(batches))
+            raise OSError("the store refuses this data")
+        return held(batches)
+
+    store.add_event_batches = refusing
+    committer = GroupCommitter(store)
+    first = committer.submit(make_events("first", 1))
+    while not calls:
+        time.sleep(0.01)
+    good, bad, later = (committer.submit(make_events(p, 2)) for p in ("good", "bad", "later"))
+    gate.set()
+    assert first.result(timeout=30).stored == ["first-0"]
+    assert good.result(timeout=30).stored == ["good-0", "good-1"]
+    assert later.result(timeout=30).stored == ["later-0", "later-1"]
+    with pytest.raises(OSError, match="refuses"):
+        bad.result(timeout=30)
+    assert calls == [1, 3, 1, 1, 1]  # the first; the group of three; then each alone
+    # A store that fails everything: two failures in a row, and the rest hear it without more tries.
+    calls.clear()
+    gate = threading.Event()
+
+    def failing(batches):
+        calls.append(len(batches))
+        if len(calls) == 1:
+            gate.wait(30)
+        raise OSError("disk full")
+
+    store.add_event_batches = failing
+    waiting = committer.submit(make_events("w", 1))
+    while not calls:
+        time.sleep(0.01)
+    group = [committer.submit(make_events(f"g{i}", 1)) for i in range(4)]
+    gate.set()
+    for future in [waiting, *group]:
+        with pytest.raises(OSError, match="disk full"):
+            future.result(timeout=30)
+    assert calls == [1, 4, 1, 1]
+    committer.close()
+    assert {e.event_id for e in store.list_events()} == {"first-0", "good-0", "good-1", "later-0", "later-1"}
 
 
 def test_the_group_committer_reports_store_errors_and_skips_cancelled_batches(store):

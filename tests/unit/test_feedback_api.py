@@ -124,6 +124,8 @@ def test_the_same_id_with_other_content_is_a_409_and_stores_nothing(api):
     ({"events": [event("ok-1", gen_ai_response_id="x")]}, "events[0].gen_ai_response_id", "Extra inputs"),
     ({"events": [event("ok-1", window_s=-1)]}, "events[0].window_s", "greater than 0"),
     ({"events": [event("has space")]}, "events[0].log.record.uid", "pattern"),
+    ({"events": [event("ok-1"), event("nul", **{"gen_ai.conversation.id": "s-\u0000"})]}, "events[1]", "NUL"),
+    ({"events": [event("nul", attributes={"editor": "vim\u0000"})]}, "events[0]", "NUL"),
     ({"events": []}, "events", "at least 1"),
     ({"events": [event(f"e{i}") for i in range(1001)]}, "events", "at most 1000"),
     ([event("listed")], None, "valid dictionary"),

@@ -21,10 +21,11 @@ RULES = RewardRules(version="test-v1", persist_window_s=1.0, followup_window_s=0
 
 
 def serve(store, prefix: str, n: int, version: int, at: float) -> None:
-    """n kept edits served by `version` (the ledger settles them once their window closed)."""
+    """n kept edits served by `version` a persist window before `at` (the ledger settles them once their
+    windows closed; the store's clock must show the window passed before an edit_persisted decides)."""
     for i in range(n):
         cid = f"{prefix}-{i}"
-        store.add_completion(record(cid, "edit", at, model_version=version))
+        store.add_completion(record(cid, "edit", at - RULES.persist_window_s, model_version=version))
         store.add_events([FeedbackEvent(event_id=f"{cid}-a", type="edit_accepted", completion_id=cid),
                           FeedbackEvent(event_id=f"{cid}-p", type="edit_persisted", completion_id=cid, window_s=1.0)])
 

@@ -75,18 +75,19 @@ def sqlite_store(tmp_path):
 
 def test_edit_reward_is_pending_until_its_windows_close_then_settled_once(store, tmp_path):
     t0 = time.time()
-    store.add_completion(record("c1", "edit", t0))
+    # Created a persist window ago: the store's clock (recorded_at) must show the window passed for the
+    # edit_persisted recorded now to decide.
+    store.add_completion(record("c1", "edit", t0 - RULES.persist_window_s))
     store.add_events([event("a", "edit_accepted", "c1")])
     with RewardLedger(tmp_path / "rewards.sqlite") as ledger:
         first = ledger.update(store, RULES, now=t0 + 1)
         assert (first.completions, first.events, first.settled) == (1, 1, [])
-        assert ledger.stats().pending == 1
+        assert ledger.stats().pending == 1  # accepted, not yet decided: pending until the horizon
         store.add_events([event("p", "edit_persisted", "c1", window_s=60.0)])
-        assert ledger.update(store, RULES, now=t0 + 2).settled == []  # decided, but follow-ups still awaited
-        done = ledger.update(store, RULES, now=t0 + 31)
+        done = ledger.update(store, RULES, now=t0 + 2)
         (r,) = done.settled
         assert (r.completion_id, r.choice_index, r.status, r.kind, r.difficulty) == ("c1", 0, "final", "edit", "easy")
-        assert r.reward == pytest.approx(1.2) and r.trainable and r.settled_at == t0 + 31
+        assert r.reward == pytest.approx(1.2) and r.trainable and r.settled_at == t0 + 2
         assert (r.rules_version, r.rules_digest) == (RULES.version, RULES.digest())
         assert {c.event_id: c.amount for c in r.components if c.event_id} == {"a": 0.2, "p": 1.0}
         # Idempotent: nothing new in the store, nothing changes.
@@ -258,7 +259,7 @@ def test_a_killed_update_loses_nothing(tmp_path):
 
 def traffic(store: EventStore, t0: float) -> None:
     """One choice of each kind, with the events simulated users send."""
-    store.add_completion(record("edit-ok", "edit", t0, difficulty="easy"))
+    store.add_completion(record("edit-ok", "edit", t0 - 60, difficulty="easy"))  # persisted a window later
     store.add_completion(record("edit-bad", "edit", t0, difficulty="hard", model_version=2))
     store.add_completion(record("ask", "question", t0, difficulty="hard", model_version=2))
     store.add_completion(record("broken", "malformed", t0, difficulty="hard", model_version=2))
@@ -289,7 +290,7 @@ def test_replay_pays_what_the_ledger_pays_and_writes_nothing(store, tmp_path):
     assert report.by_difficulty["hard"].mean == pytest.approx((-0.9 - 1.2 - 3.0) / 3)
     d = json.loads(json.dumps(report.to_dict()))
     assert d["rules_version"] == RULES.version and d["by_kind"]["question"]["mean"] == pytest.approx(-1.2)
-    early = replay(store, RULES, now=t0 + 1)
+    early = replay(store, RULES, now=t0 - 1)  # before any decision and any window's end
     assert early.pending == 5 and early.mean_reward is None
 
 
@@ -313,4 +314,5 @@ def test_replay_reads_only_its_window(sqlite_store):
     traffic(sqlite_store, t0)
     assert replay(sqlite_store, RULES, until=t0 + 1, now=t0 + 200).completions == 5
     assert replay(sqlite_store, RULES, since=t0 + 1, now=t0 + 200).completions == 0
-    assert replay(sqlite_store, RULES, until=t0, now=t0 + 200).completions == 0
+    assert replay(sqlite_store, RULES, until=t0, now=t0 + 200).completions == 1  # edit-ok, created at t0 - 60
+    assert replay(sqlite_store, RULES, until=t0 - 60, now=t0 + 200).completions == 0

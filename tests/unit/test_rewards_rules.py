@@ -93,10 +93,12 @@ def test_bad_rules_say_what_to_fix(override, message):
 
 
 def pays(rules: RewardRules, kind: str, events: list[str], malformed: int = 0) -> float:
-    """The settled reward of one choice of `kind` that got `events` (in order, within every window)."""
+    """The settled reward of one choice of `kind` that got `events` (in order, within every window; an
+    edit_persisted once the persist window has passed)."""
     item = Item("c", 0, created_at=0.0, model_version=1, kind=kind, malformed_calls=malformed, response_tokens=5)
     evs = [FeedbackEvent(event_id=f"e{i}", type=t, completion_id="c",
-                         window_s=rules.persist_window_s if t == "edit_persisted" else None, recorded_at=1.0 + i)
+                         window_s=rules.persist_window_s if t == "edit_persisted" else None,
+                         recorded_at=1.0 + i + (rules.persist_window_s if t == "edit_persisted" else 0.0))
            for i, t in enumerate(events)]
     s = settle(item, evs, rules, now=1e9)
     assert s is not None and s.status == "final" and not s.late_event_ids
@@ -158,6 +160,19 @@ def test_an_edit_is_pending_until_persisted_long_enough_then_final():
     assert paid == {"a": 0.2, "p1": 0.0, "p2": 1.0}
 
 
+def test_a_persisted_claim_decides_only_once_the_stores_clock_shows_the_window():
+    early = ev("p", "edit_persisted", 1005, window_s=600)  # claims 600 s, 5 s after the completion
+    events = [ev("a", "edit_accepted", 1001), early, ev("r", "edit_reverted", 1040)]
+    s = settle(EDIT, events, RULES, now=1040)
+    assert s.status == "final" and s.closed_at == 1040
+    assert s.reward == pytest.approx(0.2 - 0.6)  # the revert decides; the early claim pays nothing
+    note = next(c.note for c in s.components if c.event_id == "p")
+    assert "recorded 5 s after the completion < persist_window_s 60 s" in note
+    on_time = settle(EDIT, [ev("a", "edit_accepted", 1001), ev("p", "edit_persisted", 1060, window_s=60)], RULES,
+                     now=1060)
+    assert on_time.status == "final" and on_time.reward == pytest.approx(0.2 + 1.0)
+
+
 def test_a_revert_decides_but_follow_ups_are_awaited_until_the_window_ends():
     events = [ev("a", "edit_accepted", 1001), ev("r", "edit_reverted", 1002)]
     assert settle(EDIT, events, RULES, now=1029) is None  # the follow-up window runs to 1030
@@ -198,8 +213,11 @@ def test_non_edits_close_with_the_follow_up_window_or_the_session_end():
                     response_tokens=5, session_id="s")
     events = [ev("n", "followup_neutral", 1005)]
     assert settle(question, events, RULES, now=1020) is None
-    s = settle(question, events, RULES, now=1020, session_ended_at=1006)
+    s = settle(question, events, RULES, now=1020, session_ends=[1006])
     assert s.status == "final" and s.closed_at == 1006 and s.reward == pytest.approx(-1.2)
+    # A session reopened after an end: only an end at or after the completion closes it.
+    assert settle(question, events, RULES, now=1020, session_ends=[900]) is None
+    assert settle(question, events, RULES, now=1020, session_ends=[900, 1010, 1015]).closed_at == 1010
     # An accepted edit turns any item into one that awaits the edit's outcome.
     accepted = settle(question, [*events, ev("a", "edit_accepted", 1007)], RULES, now=1050)
     assert accepted is None

@@ -361,6 +361,7 @@ BAD = [
     (req(logit_bias={"1": 5}), "logit_bias"), (req(frequency_penalty=0.5), None), (req(top_logprobs=2), None),
     (req(stream_options={"include_usage": True}), None), (req(stream=False, stream_options={}), None),
     (req(metadata={"session_id": "s" * 257}), "metadata"),  # longer than feedback's gen_ai.conversation.id
+    (req(user="u\u0000"), "user"), (req(metadata={"task": "a\u0000"}), "metadata"),  # text the store cannot hold
     (req(messages=[*M, {"role": "assistant", "content": "hi", "refusal": "no"}, *M]), "messages[1].refusal"),
     ({"messages": M}, "model"),
     (req(response_format={"type": "json_object"}), None),  # no constrained decoding

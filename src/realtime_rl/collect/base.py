@@ -138,7 +138,8 @@ class FeedbackEvent:
     Invariants (checked on construction; ValueError names the field): `completion_id` or `session_id` is
     set (a `session_end` needs the session); a `custom` event has a `name` and a `value`, and only custom
     events have a name; `edit_persisted` has `window_s` > 0 (how long the edit stayed), and only edit
-    events have one; tool fields belong to `tool_call_error`; numbers are finite; at most 16 attributes.
+    events have one; tool fields belong to `tool_call_error`; numbers are finite; at most 16 attributes; no
+    text holds a NUL character.
     The completion need not exist yet: events are joined to completions when read (`join_events`).
     """
 
@@ -205,6 +206,10 @@ class FeedbackEvent:
         for k, v in self.attributes.items():
             if not isinstance(v, (str, int, float, bool)) or (isinstance(v, float) and not math.isfinite(v)):
                 raise ValueError(f"{where}: attribute {k!r} must be a string, a finite number or a boolean")
+        texts = (self.event_id, self.completion_id, self.session_id, self.name, self.tool_call_id, self.tool_name,
+                 self.error_type, self.user, self.api_key_name, *self.attributes, *self.attributes.values())
+        if any(isinstance(text, str) and "\x00" in text for text in texts):
+            raise ValueError(f"{where}: text cannot hold NUL characters (U+0000); PostgreSQL's text cannot store them")
 
     def content(self) -> dict[str, Any]:
         """What the client said: everything but the key and what the store assigns. Equal content under
@@ -240,7 +245,9 @@ class EventConflict(ValueError):
 
 class EventStore(ABC):
     """Durable storage of completion records and feedback events. Methods are blocking (the gateway calls them from a
-    threadpool) and thread-safe; every internal wait is bounded and raises TimeoutError when it passes."""
+    threadpool) and thread-safe; every internal wait is bounded: the store's own lock raises TimeoutError, the
+    database's waits its own error (SQLite's busy timeout sqlite3.OperationalError "database is locked", PostgreSQL's
+    statement_timeout psycopg's QueryCanceled)."""
 
     @abstractmethod
     def add_completion(self, record: CompletionRecord) -> int:

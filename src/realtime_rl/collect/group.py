@@ -9,9 +9,10 @@ One thread takes every batch waiting in the queue (up to `max_group_events`) and
 `store.add_event_batches` call: one transaction, each batch atomic and idempotent on its own, one
 fsync for all. There is no timer: while one commit is on disk, the next group gathers, so groups grow
 with load and a lone request waits for no one. A future resolves after the commit returns, so an
-acknowledged batch is durable; if the write fails, every batch of the group gets the exception
-(retrying is safe: event ids make writes idempotent). A batch whose future was cancelled before its
-group started (the caller gave up) is not written.
+acknowledged batch is durable. If the group's write fails, its batches are written one at a time, so a
+batch the store refuses fails alone; after two failures in a row the rest get the exception untried (the
+store itself is failing). Retrying is safe: event ids make writes idempotent. A batch whose future was
+cancelled before its group started (the caller gave up) is not written.
 
 `submit` refuses (QueueFull) when more than `max_queued_events` wait: the caller answers "retry later"
 instead of buffering without bound.
@@ -90,14 +91,38 @@ class GroupCommitter:
     def _commit(self, group: list[_Item]) -> None:
         if not group:
             return
+        error = self._write(group)
+        if error is None:
+            return
+        if len(group) == 1:
+            log.error("commit of a batch of %d events failed: %r", len(group[0][0]), error)
+            group[0][1].set_exception(error)
+            return
+        # One batch the store refuses (bad data) must not fail the others: write them one at a time. Two failures in
+        # a row mean the store itself is failing (disk full, server gone): the rest hear that without more tries.
+        log.warning("group commit of %d batches failed (%r); writing them one at a time", len(group), error)
+        failed_in_a_row = 0
+        for i, item in enumerate(group):
+            if failed_in_a_row == 2:
+                log.error("the event store fails every batch: %d batches not written: %r", len(group) - i, error)
+                for _, future in group[i:]:
+                    future.set_exception(error)
+                return
+            alone = self._write([item])
+            if alone is not None:
+                log.error("commit of a batch of %d events failed: %r", len(item[0]), alone)
+                item[1].set_exception(alone)
+                error = alone
+            failed_in_a_row = failed_in_a_row + 1 if alone is not None else 0
+
+    def _write(self, group: list[_Item]) -> Exception | None:
+        """Write the group's batches in one call and resolve their futures; the exception, futures unresolved,
+        if the store raised (a real boundary: disk full, server gone, data it refuses)."""
         start = time.perf_counter()
         try:
             results = self.store.add_event_batches([events for events, _ in group])
-        except Exception as e:  # the store is a real boundary (disk full, server gone): every waiter hears it
-            log.exception("group commit of %d batches failed", len(group))
-            for _, future in group:
-                future.set_exception(e)
-            return
+        except Exception as e:
+            return e
         for (_, future), result in zip(group, results):
             future.set_result(result)
         if self.on_commit is not None:
@@ -105,6 +130,7 @@ class GroupCommitter:
                 self.on_commit(len(group), sum(len(events) for events, _ in group), time.perf_counter() - start)
             except Exception:  # metrics must not stop the writer thread
                 log.exception("on_commit failed")
+        return None
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Idempotent: stop taking batches, write those already submitted, stop the thread."""

@@ -55,15 +55,18 @@ class PostgresEventStore(SqlEventStore):
         self.connect_timeout_s = connect_timeout_s
         self.statement_timeout_s = statement_timeout_s
         self._conn = self._connect()
-        schema = self._conn.execute("SELECT current_schema()").fetchone()[0]
-        if schema is None:
+        try:
+            schema = self._conn.execute("SELECT current_schema()").fetchone()[0]
+            if schema is None:
+                raise ValueError(f"{redact(url)}: no schema of the search_path exists; create it first "
+                                 "(CREATE SCHEMA name) or leave search_path at its default")
+            self.schema: str = schema
+            if self._conn.execute("SHOW fsync").fetchone()[0] == "off":
+                log.warning("the Postgres server runs with fsync=off: acknowledged events may be lost if it crashes")
+            self._create_schema(blob="BYTEA")
+        except BaseException:
             self._conn.close()
-            raise ValueError(f"{redact(url)}: no schema of the search_path exists; create it first "
-                             "(CREATE SCHEMA name) or leave search_path at its default")
-        self.schema: str = schema
-        if self._conn.execute("SHOW fsync").fetchone()[0] == "off":
-            log.warning("the Postgres server runs with fsync=off: acknowledged events may be lost if it crashes")
-        self._create_schema(blob="BYTEA")
+            raise
 
     def _connect(self) -> psycopg.Connection:
         try:

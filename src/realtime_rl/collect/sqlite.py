@@ -33,12 +33,16 @@ class SqliteEventStore(SqlEventStore):
         # isolation_level=None: no implicit transactions; we BEGIN and COMMIT ourselves.
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None,
                                      check_same_thread=False)
-        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode.lower() != "wal":
-            raise ValueError(f"{self.path}: SQLite refused WAL mode (got {mode}); is it on a network filesystem?")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
-        self._create_schema(blob="BLOB")
+        try:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise ValueError(f"{self.path}: SQLite refused WAL mode (got {mode}); is it on a network filesystem?")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._create_schema(blob="BLOB")
+        except BaseException:
+            self._conn.close()
+            raise
 
     def _begin_write(self, conn: sqlite3.Connection, table: str) -> None:
         conn.execute("BEGIN IMMEDIATE")

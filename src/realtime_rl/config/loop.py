@@ -169,6 +169,8 @@ class LoopConfig(StrictModel):
     """A canary still undecided after this many cycles is rolled back (no evidence of a win)."""
     http_timeout_s: float = Field(30.0, gt=0, le=3600)
     """Timeout of every call to the gateway."""
+    candidate_load_timeout_s: float = Field(300.0, gt=0, le=86400)
+    """How long a canary's weights may take to serve in the gateway's candidate arm (the first builds its engine)."""
     threads: int | None = Field(None, ge=1, le=1024)
     """torch threads for training and the gate (None: torch's default)."""
     seed: int = 0

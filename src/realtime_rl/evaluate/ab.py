@@ -1,6 +1,7 @@
 """A/B analysis of live traffic: champion vs candidate arm, in the metrics Cursor reports for Composer.
 
-    records = ab_records(store.list_completions(since=t0), store.list_events(since=t0))
+    records = ab_records(store.list_completions(since=t0), store.list_events(since=t0),
+                         rules.persist_window_s, rules.horizon_s)
     report = analyze(records, ABConfig(candidate_fraction=0.5))
     report.decision          # "promote" | "rollback" | "continue"
     report.reasons, report.to_dict(), Console().print(report.table())
@@ -10,12 +11,13 @@ whether the user made an edit from it, whether the edit was kept or reverted, wh
 follow-up came, and its latency. From feedback events (joined by completion id; session-only events
 are not attributed to a completion and are ignored here):
 
-- an edit was made: edit_accepted, edit_persisted or edit_reverted;
-- kept: edit_persisted (with a window of at least the reward rules' persist_window_s, when given) and no
-  edit_reverted; reverted: edit_reverted (a revert outweighs a persist);
-- edits kept % = kept / (kept + reverted): edits whose window has not closed yet are pending and left
-  out of numerator and denominator alike (counted in the report), so the rate does not depend on when
-  the analysis runs;
+- an edit was made: edit_accepted, edit_persisted or edit_reverted (unless a rejection decided first);
+- kept or reverted, as the reward rules decide it: by the first deciding event on the store's clock within
+  the horizon, an edit_reverted, an edit_rejected, or an edit_persisted whose window_s and the store's
+  clock both reach persist_window_s; a contrary event after it changes nothing (see `ab_records`);
+- edits kept % = kept / (kept + reverted): edits not decided yet are pending, and so are those never
+  decided by the horizon (censored); both are left out of numerator and denominator alike (counted in
+  the report), so the rate does not depend on when the analysis runs;
 - dissatisfied follow-ups % = completions with followup_dissatisfied / completions;
 - latency: p50 and mean of the completion's latency_s.
 
@@ -29,8 +31,12 @@ CR1, t with G - 1 degrees of freedom; the delta-method analysis of user-randomis
 arm's rate or mean from OLS on a constant in that arm, clustered the same way (rates clipped to [0, 1]).
 p50 latency per arm and its difference: a cluster bootstrap (users resampled with replacement within
 each arm, every completion of a drawn user counted; scipy bootstrap, percentile, seeded). An arm with
-fewer than two users has no cluster variance: no interval (None). Every outcome equal within each arm
-(zero variance, e.g. all edits kept): the interval collapses to the point and there is no p-value.
+fewer than two users has no cluster variance: no interval (None). A rate equal in every completion of an
+arm (zero variance, e.g. every edit kept) gives the cluster fit nothing to estimate for that arm: its
+interval would be the point, and 52 of 52 edits kept is not a rate of 1 for sure. Such an arm gets
+Wilson's interval, and the difference the hull of the cluster-robust interval and Newcombe's (Newcombe's
+alone when neither arm varies), and the method says so. A mean equal in every completion of an arm has
+no interval there (nor has the difference when both are): a zero-width interval would decide.
 Cluster-robust intervals are too narrow with few users (the sandwich is only asymptotic in the number
 of clusters); `min_users_per_arm` is a floor, not a guarantee: read intervals from fewer than a few
 dozen users per arm as optimistic.
@@ -61,9 +67,10 @@ the first significant result inflates the false-positive rate; keep the number o
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -98,34 +105,54 @@ class ABRecord:
 
 
 def ab_records(completions: Iterable[CompletionRecord], events: Iterable[FeedbackEvent],
-               persist_window_s: float = 0.0) -> list[ABRecord]:
-    """One record per completion, with the feedback events that name it (by completion id).
+               persist_window_s: float = 0.0, horizon_s: float = math.inf) -> list[ABRecord]:
+    """One record per completion, with the stored feedback events that name it (by completion id).
 
-    An edit counts as kept only from an edit_persisted whose window_s is at least `persist_window_s` (pass
-    the reward rules' own, so that the A/B and the rewards agree on what "kept" means); a shorter window
-    leaves the edit pending."""
-    kinds: dict[str, set[str]] = defaultdict(set)
+    An edit's outcome is decided as the reward rules decide it (rewards.rules), on the store's clock: by
+    the first deciding event in recorded order (recorded_at, then seq) recorded within `horizon_s` of the
+    completion's created_at: an edit_reverted, an edit_rejected, or an edit_persisted whose window_s and
+    the store's clock (recorded_at - created_at) both reach `persist_window_s`. Kept: that first
+    decision is an edit_persisted; reverted: an edit_reverted; a rejection means no edit was made; a
+    contrary event after the decision changes nothing (an edit persisted past its window, then reverted,
+    is kept, as the rewards pay it). An edit without a decision is pending: not decided yet, or censored at
+    the horizon. Pass the rules' persist_window_s and horizon_s so that the two agree on what "kept" means.
+
+    Where they still differ: the rules decide per choice and only for an item that awaits an edit (an edit
+    reply, or one accepted within the follow-up window); here any completion with an edit event counts,
+    and a dissatisfied follow-up counts whenever it was recorded (the rules pay it only before the close)."""
+    by_completion: dict[str, list[FeedbackEvent]] = defaultdict(list)
     for event in events:
-        if event.completion_id is None:
-            continue
-        if event.type == "edit_persisted" and persist_window_s > 0 and (event.window_s or 0.0) < persist_window_s:
-            kinds[event.completion_id].add("edit_accepted")  # an edit was made; not yet known to be kept
-            continue
-        kinds[event.completion_id].add(event.type)
+        if event.completion_id is not None:
+            assert event.recorded_at is not None, "ab_records needs stored events (recorded_at set)"
+            by_completion[event.completion_id].append(event)
     records = []
     for c in completions:
-        seen = kinds.get(c.completion_id, set())
-        reverted = "edit_reverted" in seen
+        seen = sorted(by_completion.get(c.completion_id, []), key=lambda e: (e.recorded_at, e.seq or 0))
+        decision = next((e.type for e in seen if _decides(e, c.created_at, persist_window_s, horizon_s)), None)
+        types = {e.type for e in seen}
         records.append(ABRecord(
             completion_id=c.completion_id, arm=c.arm, unit=c.user or c.session_id,
-            edited=bool(seen & EDIT_EVENTS), kept="edit_persisted" in seen and not reverted, reverted=reverted,
-            dissatisfied="followup_dissatisfied" in seen, latency_s=c.latency_s))
+            edited=bool(types & EDIT_EVENTS) and decision != "edit_rejected", kept=decision == "edit_persisted",
+            reverted=decision == "edit_reverted", dissatisfied="followup_dissatisfied" in types,
+            latency_s=c.latency_s))
     return records
+
+
+def _decides(event: FeedbackEvent, created_at: float, persist_window_s: float, horizon_s: float) -> bool:
+    """Whether a stored event decides the edit's outcome of the completion created at `created_at`: the reward
+    rules' `decides`, within their horizon (they take a RewardRules, which has no zero window)."""
+    if event.recorded_at > created_at + horizon_s:
+        return False
+    if event.type == "edit_persisted":
+        return (event.window_s is not None and event.window_s >= persist_window_s
+                and event.recorded_at - created_at >= persist_window_s)
+    return event.type in ("edit_reverted", "edit_rejected")
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A value with its interval; None where the data cannot give one (an empty arm; clustered, one user)."""
+    """A value with its interval; None where the data cannot give one (an empty arm; clustered, one user or
+    a mean without variance)."""
 
     value: float | None
     low: float | None = None
@@ -159,7 +186,8 @@ class Comparison:
     n_champion: int
     n_candidate: int
     method: str
-    """How the intervals were made: "cluster-robust (users)", "cluster bootstrap (users)", or the independent
+    """How the intervals were made: "cluster-robust (users)", "cluster bootstrap (users)", "cluster-robust
+    (users); Wilson, Newcombe hull (no variance: <arms>)" for a rate constant in an arm, or the independent
     methods ("Wilson; Newcombe", ...) with cluster="none"."""
 
 
@@ -210,10 +238,11 @@ def _clustered(value: float, y: np.ndarray, X: np.ndarray, groups: np.ndarray,
                alpha: float) -> tuple[Estimate, float | None]:
     """`value`, the last coefficient of OLS of y on X computed exactly by the caller, with its cluster-robust
     interval and p-value (CR1, t with G - 1 df). The caller ensures two clusters or more per arm: with one,
-    the cluster variance is undefined. No variance within the arms: the interval is the point."""
+    the cluster variance is undefined. No variance within the arms: no interval (the point would be one,
+    and decide)."""
     fit = cluster_robust(y, X, groups, alpha)
     if fit is None:
-        return Estimate(value, value, value), None
+        return Estimate(value), None
     if fit.half_width is None:
         return Estimate(value), fit.p_value
     return Estimate(value, value - fit.half_width, value + fit.half_width), fit.p_value
@@ -244,8 +273,31 @@ def _rate(label: str, y: np.ndarray, is_candidate: np.ndarray, groups: np.ndarra
           config: ABConfig) -> Comparison:
     """A 0/1 outcome per completion (y) in both arms."""
     alpha = 1 - config.confidence
-    if config.cluster == "users":
-        return _clustered_means(label, "%", y, is_candidate, groups, alpha)
+    independent = _independent_rate(label, y, is_candidate, alpha)
+    if config.cluster == "none":
+        return independent
+    clustered = _clustered_means(label, "%", y, is_candidate, groups, alpha)
+    # An arm with the same outcome in every completion gives the cluster fit no variance to estimate, and the
+    # clustered difference takes that arm's rate as known exactly. Wilson's interval keeps its binomial
+    # uncertainty; the hull with Newcombe's keeps it in the difference while keeping the other arm's clustering
+    # (with the larger p-value, as the interval is the wider).
+    flat = [arm for arm, mask in (("champion", ~is_candidate), ("candidate", is_candidate))
+            if len(np.unique(groups[mask])) >= 2 and np.ptp(y[mask]) == 0]
+    if not flat:
+        return clustered
+    difference, p_value = clustered.difference, clustered.p_value
+    if difference.value is not None:  # both arms have two users or more
+        both = (difference, independent.difference)
+        difference = Estimate(difference.value, min((e.low for e in both if e.low is not None), default=None),
+                              max((e.high for e in both if e.high is not None), default=None))
+        p_value = max((p for p in (p_value, independent.p_value) if p is not None), default=None)
+    return replace(clustered, difference=difference, p_value=p_value,
+                   method=f"cluster-robust (users); Wilson, Newcombe hull (no variance: {', '.join(flat)})",
+                   **{arm: getattr(independent, arm) for arm in flat})
+
+
+def _independent_rate(label: str, y: np.ndarray, is_candidate: np.ndarray, alpha: float) -> Comparison:
+    """Every completion independent: Wilson per arm, Newcombe and Agresti-Caffo for the difference."""
     arms = {}
     for arm, mask in (("champion", ~is_candidate), ("candidate", is_candidate)):
         k, n = int(y[mask].sum()), int(mask.sum())

@@ -107,6 +107,7 @@ class RealtimeLoop:
         self.ledger = RewardLedger(self.run_dir / "rewards.sqlite")
         self._own_store = store is None
         self.store = store or open_event_store(config.store_dir, config.store)
+        self._own_gateway = gateway is None
         self.gateway = gateway or GatewayClient(config.gateway_url, config.admin_key, config.http_timeout_s)
         live = self.registry.live()
         self.state = LoopState.load(self.run_dir / "state.json", None if live is None else live.version)
@@ -120,6 +121,7 @@ class RealtimeLoop:
             base = config.base_checkpoint or ensure_base_model(PretrainConfig())
             live = self.registry.bootstrap(base, version=0)
             self._publish_champion(live)
+        self._redeploy_canary = False
         self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1),
                                       config.gate_split, config.gate_start)
         self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4], "heldout", config.gate_start)
@@ -232,7 +234,10 @@ class RealtimeLoop:
         self._save()
         report["minutes_after_window"] = (time.perf_counter() - t0) / 60
         report["live_version_after"] = self.registry.live().version
-        with open(self.run_dir / "cycles.jsonl", "a") as f:
+        with open(self.run_dir / "cycles.jsonl", "a+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() and (f.seek(f.tell() - 1), f.read(1))[1] != "\n":  # a line cut by a stop: end it first
+                f.write("\n")
             f.write(json.dumps(report, default=str) + "\n")
         self.sink.log(_numbers(report), step=state.cycle)
         return report
@@ -243,11 +248,13 @@ class RealtimeLoop:
     def _reconcile(self) -> None:
         """After a crash mid-cycle, the registry (written first, atomically) is the truth: the canary is
         whatever version it says is canary, and a candidate that never reached the gate's decision is
-        rolled back (its traffic share was never raised)."""
+        rolled back (its traffic share was never raised). A canary the state did not know of yet was stopped
+        somewhere between the registry and its traffic share: it is deployed again (_follow_registry)."""
         canaries = self.registry.list("canary")
         if canaries:
             if self.state.canary != canaries[-1].version:
                 self.state.canary, self.state.canary_since, self.state.canary_cycles = canaries[-1].version, time.time(), 0
+                self._redeploy_canary = True
         else:
             self.state.canary, self.state.canary_since, self.state.canary_cycles = None, None, 0
         for orphan in self.registry.list("candidate"):
@@ -280,6 +287,10 @@ class RealtimeLoop:
             self.gateway.set_candidate_fraction(0.0)
             actions.append(f"canary v{state.canary} is {now} by hand: its traffic share is now 0")
             state.canary, state.canary_since, state.canary_cycles = None, None, 0
+        if state.canary is not None and self._redeploy_canary:
+            self._deploy_canary(state.canary)
+            actions.append(f"canary v{state.canary} (adopted after a stop before it got its traffic share) deployed")
+        self._redeploy_canary = False
         live, served = self.registry.live(), self.champion_serves
         if live.version != served:
             self._publish_champion(live)
@@ -297,7 +308,8 @@ class RealtimeLoop:
         version = state.canary
         traffic = read_traffic(self.store, since=state.canary_since, until=window_end)
         events = [e for evs in traffic.events.values() for e in evs]
-        ab = analyze(ab_records(traffic.completions, events, cfg.rewards.persist_window_s), cfg.ab)
+        ab = analyze(ab_records(traffic.completions, events, cfg.rewards.persist_window_s, cfg.rewards.horizon_s),
+                     cfg.ab)
         champion = [c for c in traffic.completions if c.arm == "champion"]
         candidate = [c for c in traffic.completions if c.arm == "candidate"]
         by_arm = {arm: traffic_interactions(Traffic(cs, traffic.events, traffic.session_ends))
@@ -393,7 +405,9 @@ class RealtimeLoop:
 
         gate, canary = run(self.gate_tasks), run(self.canary_tasks)
         cache.parent.mkdir(exist_ok=True)
-        cache.write_text(json.dumps({"gate": [asdict(o) for o in gate], "canary": [asdict(o) for o in canary]}))
+        staging = cache.with_name(f".{cache.name}.tmp")  # a stop mid-write leaves no truncated cache behind
+        staging.write_text(json.dumps({"gate": [asdict(o) for o in gate], "canary": [asdict(o) for o in canary]}))
+        os.replace(staging, cache)
         return gate, canary
 
     def progress(self) -> dict[str, Any]:
@@ -426,11 +440,7 @@ class RealtimeLoop:
         if decision.promote:
             self.registry.transition(candidate.version, "canary", reason="gate: " + "; ".join(decision.reasons),
                                      evidence=evidence)
-            self.candidate_weights.publish(_weights(candidate.checkpoint), candidate.version)
-            self._await_candidate(candidate.version)
-            # A fresh salt per canary: each one gets its own random half of the users, not the last one's.
-            self.gateway.set_candidate_fraction(cfg.ab.candidate_fraction, salt=f"canary-v{candidate.version}")
-            state.canary, state.canary_since, state.canary_cycles = candidate.version, time.time(), 0
+            self._deploy_canary(candidate.version)
             self._save()
         else:
             self.registry.transition(candidate.version, "rolled_back", reason="gate: " + "; ".join(decision.reasons),
@@ -440,9 +450,20 @@ class RealtimeLoop:
                            f"({'; '.join(decision.reasons)})")
         return {"version": candidate.version, "champion": champion.version, "decision": verdict, **evidence}
 
+    def _deploy_canary(self, version: int) -> None:
+        """Publish the canary's weights to the candidate arm (unless they are its store's last), wait until the
+        arm serves them, then give it its share of the users; its window starts now."""
+        last = self.candidate_weights.last
+        if last is None or last.version != version:
+            self.candidate_weights.publish(_weights(self.registry.get(version).checkpoint), version)
+        self._await_candidate(version)
+        # A fresh salt per canary: each one gets its own random half of the users, not the last one's.
+        self.gateway.set_candidate_fraction(self.config.ab.candidate_fraction, salt=f"canary-v{version}")
+        self.state.canary, self.state.canary_since, self.state.canary_cycles = version, time.time(), 0
+
     def _await_candidate(self, version: int, timeout_s: float | None = None) -> None:
         """Wait until the gateway's candidate arm serves `version` before sending it users."""
-        deadline = time.monotonic() + (timeout_s or self.config.http_timeout_s)
+        deadline = time.monotonic() + (timeout_s or self.config.candidate_load_timeout_s)
         while time.monotonic() < deadline:
             if self.gateway.traffic()["arms"]["candidate"]["version"] == version:
                 return
@@ -456,6 +477,8 @@ class RealtimeLoop:
         self.registry.close()
         if self._own_store:
             self.store.close()
+        if self._own_gateway:
+            self.gateway.close()
 
 
 def _numbers(report: dict[str, Any], prefix: str = "") -> dict[str, float]:

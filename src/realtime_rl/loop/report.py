@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first: no display here)
 
+log = logging.getLogger(__name__)
+
 
 def read_cycles(run_dir: Path) -> list[dict[str, Any]]:
+    """The cycle reports of run_dir/cycles.jsonl; a line a stop cut short is left out (and logged)."""
     path = Path(run_dir) / "cycles.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    cycles = []
+    for number, line in enumerate(path.read_text().splitlines() if path.is_file() else [], start=1):
+        if not line.strip():
+            continue
+        try:
+            cycles.append(json.loads(line))
+        except ValueError:
+            log.warning("%s:%d is not a whole cycle report (a stop mid-write?); left out", path, number)
+    return cycles
 
 
 def _svg(fig: Any) -> str:

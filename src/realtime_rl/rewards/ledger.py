@@ -88,8 +88,15 @@ CREATE INDEX IF NOT EXISTS events_disposition ON events (disposition);
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
     ended_at REAL NOT NULL
-)
+);
+CREATE TABLE IF NOT EXISTS session_ends (
+    session_id TEXT NOT NULL,
+    ended_at REAL NOT NULL,
+    PRIMARY KEY (session_id, ended_at)
+);
+INSERT OR IGNORE INTO session_ends SELECT session_id, ended_at FROM sessions
 """
+# sessions: each session's first end only, as ledgers before session_ends kept them; read into session_ends.
 # In the order of rules.Item's fields: rows are written with astuple(item) and read back with Item(*row).
 ITEM_COLUMNS = ("completion_id", "choice_index", "created_at", "model_version", "kind", "malformed_calls",
                 "response_tokens", "user_id", "session_id", "difficulty", "task_id")
@@ -281,8 +288,7 @@ class RewardLedger:
         while page := store.list_events(after_seq=seq, limit=self.page_size):
             for e in page:
                 if e.type == "session_end":
-                    conn.execute("INSERT INTO sessions (session_id, ended_at) VALUES (?, ?) ON CONFLICT (session_id) "
-                                 "DO UPDATE SET ended_at = MIN(ended_at, excluded.ended_at)",
+                    conn.execute("INSERT OR IGNORE INTO session_ends (session_id, ended_at) VALUES (?, ?)",
                                  (e.session_id, e.recorded_at))
                 disposition = self._disposition(conn, e)
                 conn.execute(f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}, disposition, late_at) "
@@ -308,12 +314,14 @@ class RewardLedger:
                 event_id=v["event_id"], type=v["type"], completion_id=v["completion_id"],
                 session_id=v["session_id"], choice_index=v["choice_index"], name=v["name"], value=v["value"],
                 window_s=v["window_s"], seq=v["event_seq"], recorded_at=v["recorded_at"]))
-        sessions = dict(conn.execute("SELECT session_id, ended_at FROM sessions"))
+        sessions: dict[str, list[float]] = {}
+        for session_id, ended_at in conn.execute("SELECT session_id, ended_at FROM session_ends"):
+            sessions.setdefault(session_id, []).append(ended_at)
         settle_seq = conn.execute("SELECT COALESCE(MAX(settle_seq), 0) FROM items").fetchone()[0]
         digest = rules.digest()
         for item in pending:
             s = settle(item, events.get((item.completion_id, item.choice_index), []), rules, now,
-                       sessions.get(item.session_id) if item.session_id is not None else None)
+                       sessions.get(item.session_id, ()) if item.session_id is not None else ())
             if s is None:
                 continue
             settle_seq += 1

@@ -31,8 +31,8 @@ class Traffic:
     completions: list[CompletionRecord]
     events: dict[tuple[str, int], list[FeedbackEvent]]
     """By (completion id, choice index); an event without a choice index is about choice 0."""
-    session_ends: dict[str, float]
-    """The first session_end's recorded_at, per session."""
+    session_ends: dict[str, list[float]]
+    """Every session_end's recorded_at, per session (rules.settle takes the first after a completion)."""
 
     def events_for(self, completion_id: str, choice_index: int = 0) -> list[FeedbackEvent]:
         return self.events.get((completion_id, choice_index), [])
@@ -49,16 +49,16 @@ def read_traffic(store: EventStore, since: float | None = None, until: float | N
         seq = page[-1].seq
     wanted = {c.completion_id for c in completions}
     events: dict[tuple[str, int], list[FeedbackEvent]] = defaultdict(list)
-    session_ends: dict[str, float] = {}
+    session_ends: dict[str, list[float]] = defaultdict(list)
     seq = 0
     while page := store.list_events(since=since, after_seq=seq, limit=page_size):
         for e in page:
             if e.type == "session_end":
-                session_ends[e.session_id] = min(e.recorded_at, session_ends.get(e.session_id, e.recorded_at))
+                session_ends[e.session_id].append(e.recorded_at)
             if e.completion_id in wanted:
                 events[(e.completion_id, e.choice_index or 0)].append(e)
         seq = page[-1].seq
-    return Traffic(completions, dict(events), session_ends)
+    return Traffic(completions, dict(events), dict(session_ends))
 
 
 @dataclass
@@ -129,7 +129,7 @@ def replay(store: EventStore, rules: RewardRules, since: float | None = None, un
         for item in items_from_completion(record):
             report.items += 1
             s = settle(item, traffic.events_for(item.completion_id, item.choice_index), rules, now,
-                       traffic.session_ends.get(item.session_id) if item.session_id is not None else None)
+                       traffic.session_ends.get(item.session_id, ()) if item.session_id is not None else ())
             if s is None:
                 report.pending += 1
                 continue

@@ -10,9 +10,13 @@ replay (which recomputes over stored traffic), so both pay by the same rule:
   `created_at`. The client's `occurred_at` is not trusted for money.
 * An item awaits an edit outcome if it is an edit (actions.classify) or the user accepted an edit of
   it within the follow-up window. The outcome is decided by the first edit_reverted, edit_rejected or
-  edit_persisted with window_s >= persist_window_s recorded before the horizon.
+  edit_persisted recorded before the horizon; an edit_persisted decides only when its window_s and the
+  store's own clock (recorded_at - created_at) both reach persist_window_s: a client cannot settle an
+  edit as kept early by claiming a long window.
 * The item closes at: max(decision, follow-up window end) when decided; the follow-up window's end
-  (created_at + followup_window_s, or the session's end if earlier) when no edit is awaited;
+  (created_at + followup_window_s, or the end of its session if earlier: the first session_end recorded
+  at or after created_at, so a conversation reopened after an end is not closed by it) when no edit is
+  awaited;
   created_at + horizon_s otherwise, and then it is censored. It settles at the first `now` >= close.
 * Paid: the action's own reward, the malformed-call penalty per malformed call, and every event
   recorded at or before the close: follow-ups and tool_call_error each time; edit events at most once
@@ -30,6 +34,7 @@ closes the follow-up windows of its session's completions.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -109,26 +114,37 @@ def items_from_completion(record: CompletionRecord) -> list[Item]:
             for c in record.choices]
 
 
-def decides(event: FeedbackEvent, rules: RewardRules) -> bool:
-    """Whether the event settles an edit's outcome."""
+def decides(event: FeedbackEvent, rules: RewardRules, created_at: float) -> bool:
+    """Whether the stored event settles the outcome of an edit in a completion created at `created_at`."""
     if event.type == "edit_persisted":
-        return event.window_s is not None and event.window_s >= rules.persist_window_s
+        return (event.window_s is not None and event.window_s >= rules.persist_window_s
+                and event.recorded_at is not None and event.recorded_at - created_at >= rules.persist_window_s)
     return event.type in ("edit_reverted", "edit_rejected")
 
 
+def _not_deciding(event: FeedbackEvent, rules: RewardRules, created_at: float) -> str:
+    if event.window_s is None or event.window_s < rules.persist_window_s:
+        return f"window {event.window_s or 0:g} s < persist_window_s {rules.persist_window_s:g} s"
+    return (f"recorded {event.recorded_at - created_at:g} s after the completion < persist_window_s "
+            f"{rules.persist_window_s:g} s")
+
+
 def settle(item: Item, events: list[FeedbackEvent], rules: RewardRules, now: float,
-           session_ended_at: float | None = None) -> Settlement | None:
+           session_ends: Iterable[float] = ()) -> Settlement | None:
     """The item's settlement at `now`, or None while it is pending. `events` are the stored events about
-    this choice (each with its recorded_at), in any order."""
+    this choice (each with its recorded_at), in any order; `session_ends`, the recorded_at of each session_end
+    of the item's session."""
     assert all(e.recorded_at is not None for e in events), "settle needs stored events (recorded_at set)"
     events = sorted(events, key=lambda e: (e.recorded_at, e.seq or 0))
     horizon_at = item.created_at + rules.horizon_s
     followups_at = item.created_at + rules.followup_window_s
+    session_ended_at = min((t for t in session_ends if t >= item.created_at), default=None)
     if session_ended_at is not None:
-        followups_at = min(followups_at, max(item.created_at, session_ended_at))
+        followups_at = min(followups_at, session_ended_at)
     awaits_edit = item.kind == "edit" or any(e.type == "edit_accepted" and e.recorded_at <= followups_at
                                              for e in events)
-    decided_at = next((e.recorded_at for e in events if e.recorded_at <= horizon_at and decides(e, rules)), None)
+    decided_at = next((e.recorded_at for e in events
+                       if e.recorded_at <= horizon_at and decides(e, rules, item.created_at)), None)
     if not awaits_edit:
         status: Status = "final"
         closed_at = followups_at
@@ -159,8 +175,8 @@ def settle(item: Item, events: list[FeedbackEvent], rules: RewardRules, now: flo
         if e.type.startswith("edit_"):
             if e.type in paid_edits:
                 amount, note = 0.0, "repeated"
-            elif e.type == "edit_persisted" and not decides(e, rules):
-                amount, note = 0.0, f"window {e.window_s:g} s < persist_window_s {rules.persist_window_s:g} s"
+            elif e.type == "edit_persisted" and not decides(e, rules, item.created_at):
+                amount, note = 0.0, _not_deciding(e, rules, item.created_at)
             elif e.type in DECISIONS and decided:
                 amount, note = 0.0, "after the edit's outcome was decided"
             else:

@@ -72,6 +72,8 @@ def follow_weights(location: str, poll_s: float, apply: Callable[[dict[str, torc
             apply(state, version)
         except ValueError as e:  # names or shapes that do not fit the model: logged and retried, never fatal
             raise WeightSyncError(f"version {version} does not fit the served model: {e}") from e
+        except Exception as e:  # out of memory staging it, say: the old weights keep serving, retried next poll
+            raise WeightSyncError(f"version {version} could not be applied: {e!r}") from e
 
     subscriber = WeightSubscriber(transport, apply=checked)
     stop = threading.Event()

@@ -171,6 +171,14 @@ class _GenerationCreate(ApiModel):
             raise ValueError("stop takes up to 4 non-empty strings of at most 256 characters")
         return v
 
+    @field_validator("user", "metadata")
+    @classmethod
+    def _stored_text(cls, v: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        texts = [v] if isinstance(v, str) else [*v, *v.values()] if v else []
+        if any("\x00" in text for text in texts):  # checked before generating, not when the store refuses it
+            raise ValueError("NUL characters (U+0000) are not accepted: the event store's text cannot hold them")
+        return v
+
     @field_validator("metadata")
     @classmethod
     def _session(cls, v: dict[str, str] | None) -> dict[str, str] | None:
