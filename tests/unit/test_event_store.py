@@ -129,6 +129,21 @@ def test_a_record_round_trips_exactly(store, dtype):
     assert store.get_completion("chatcmpl-missing") is None
 
 
+def test_generated_text_holding_nul_round_trips_exactly(store):
+    """A model can generate NUL (a byte-level tokenizer has a token for it), which PostgreSQL's text cannot hold:
+    a choice's text and content come back exactly, as does text that merely looks like the encoding's mark."""
+    from realtime_rl.collect.postgres import TEXT_MARK
+
+    rec = make_record("chatcmpl-nul")
+    rec.choices[0].text = "a\x00b\x01"
+    rec.choices[1].text, rec.choices[1].content = TEXT_MARK + '"x"', "end\x00"
+    store.add_completion(rec)
+    got = store.get_completion("chatcmpl-nul")
+    assert_same(rec, got)
+    assert [c.text for c in got.choices] == ["a\x00b\x01", TEXT_MARK + '"x"'] and got.choices[1].content == "end\x00"
+    assert [c.text for c in store.list_completions()[0].choices] == ["a\x00b\x01", TEXT_MARK + '"x"']
+
+
 def test_the_serving_arm_round_trips_and_defaults_to_the_champion(store):
     champion, candidate = make_record("chatcmpl-champ"), make_record("chatcmpl-cand")
     candidate.arm = "candidate"

@@ -16,12 +16,16 @@ Concurrency: every write transaction takes a transaction-scoped advisory lock na
 follows commit order (readers are never blocked: MVCC). Every statement is bounded by
 `statement_timeout_s` (lock waits included); a broken connection is replaced on the next call.
 
+A choice's text and content may hold NUL (U+0000), which PostgreSQL's text cannot: such a text (or one
+starting with TEXT_MARK) is stored as TEXT_MARK + its JSON string and read back exactly.
+
 Not here: a connection pool (one connection per store object; the gateway groups its writes),
 retention or pruning.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import urllib.parse
 from collections.abc import Iterator
@@ -30,7 +34,7 @@ from typing import Any
 
 import psycopg
 
-from realtime_rl.collect.base import EVENT_COLUMNS
+from realtime_rl.collect.base import CHOICE_COLUMNS, EVENT_COLUMNS, ChoiceRecord
 from realtime_rl.collect.sql import SqlEventStore
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,23 @@ def redact(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+TEXT_MARK = "\x01rtrl-json:"
+"""Prefix of a choice's text (or content) stored as its JSON string: PostgreSQL's text cannot hold NUL (U+0000),
+which a model can generate (a byte-level tokenizer has a token for it). A text that starts with the mark is
+stored so too, so that a stored text starting with it is always an encoded one."""
+_CHOICE_TEXTS = (CHOICE_COLUMNS.index("text"), CHOICE_COLUMNS.index("content"))
+
+
+def stored_text(text: str | None) -> str | None:
+    if text is None or ("\x00" not in text and not text.startswith(TEXT_MARK)):
+        return text
+    return TEXT_MARK + json.dumps(text)  # JSON escapes every control character: no NUL is left
+
+
+def read_text(stored: str | None) -> str | None:
+    return json.loads(stored[len(TEXT_MARK):]) if stored is not None and stored.startswith(TEXT_MARK) else stored
 
 
 class PostgresEventStore(SqlEventStore):
@@ -85,6 +106,18 @@ class PostgresEventStore(SqlEventStore):
                 log.warning("the Postgres connection is broken; reconnecting")
                 self._conn = conn = self._connect()
             yield conn
+
+    def _choice_row(self, completion_id: str, choice: ChoiceRecord) -> tuple[Any, ...]:
+        row = list(super()._choice_row(completion_id, choice))
+        for i in _CHOICE_TEXTS:
+            row[i] = stored_text(row[i])
+        return tuple(row)
+
+    def _choice_from_row(self, row: tuple[Any, ...]) -> ChoiceRecord:
+        row = list(row)
+        for i in _CHOICE_TEXTS:
+            row[i] = read_text(row[i])
+        return super()._choice_from_row(tuple(row))
 
     def _begin_write(self, conn: psycopg.Connection, table: str) -> None:
         conn.execute("BEGIN")

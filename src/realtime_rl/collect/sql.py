@@ -210,7 +210,7 @@ class SqlEventStore(EventStore):
             cur = conn.cursor()
             cur.executemany(q(f"INSERT INTO completion_choices ({_columns(CHOICE_COLUMNS)}) "
                               f"VALUES ({', '.join('?' for _ in CHOICE_COLUMNS)})"),
-                            [choice_row(record.completion_id, c) for c in record.choices])
+                            [self._choice_row(record.completion_id, c) for c in record.choices])
             cur.close()
         record.seq, record.recorded_at = seq, recorded_at
         return seq
@@ -223,8 +223,15 @@ class SqlEventStore(EventStore):
                                     "ORDER BY completion_id, choice_index"), args).fetchall()
         out: dict[str, list[ChoiceRecord]] = {}
         for r in rows:
-            out.setdefault(r[0], []).append(choice_from_row(r))
+            out.setdefault(r[0], []).append(self._choice_from_row(r))
         return out
+
+    def _choice_row(self, completion_id: str, choice: ChoiceRecord) -> tuple[Any, ...]:
+        """A choice as its table row (a backend whose text cannot hold some characters encodes them here)."""
+        return choice_row(completion_id, choice)
+
+    def _choice_from_row(self, row: tuple[Any, ...]) -> ChoiceRecord:
+        return choice_from_row(row)
 
     def get_completion(self, completion_id: str) -> CompletionRecord | None:
         with self._locked() as conn:
