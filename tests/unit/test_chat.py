@@ -71,6 +71,21 @@ def test_json_too_deep_or_too_long_for_python_is_reported_not_raised(body, kind)
     assert parsed.tool_calls == [] and [e.kind for e in parsed.errors] == [kind]
 
 
+@pytest.mark.parametrize("arguments, kind", [
+    ('{"path": "a", "old": "b", "new": "P\\ud800"}', "bad_json"),  # a lone surrogate: no UTF-8 to send it in
+    ('{"path": "a", "old": "b", "new": NaN}', "bad_json"), ('{"path": "a", "old": "b", "new": 1e999}', "bad_json"),
+    (json.dumps('{"path": "a", "old": "b", "new": Infinity}'), "bad_arguments"),
+])
+def test_json_that_cannot_go_back_out_as_json_is_reported(arguments, kind):
+    """A call the gateway could not serialize (to its client, or into the store) is malformed, not a 500."""
+    parsed = parse_assistant(call(f'{{"name": "edit_file", "arguments": {arguments}}}'), TOOLS)
+    assert parsed.tool_calls == [] and [e.kind for e in parsed.errors] == [kind]
+    parsed.model_dump_json()  # the errors themselves serialize
+    pair = '{"path": "a", "old": "b", "new": "\\ud83d\\ude00"}'  # a surrogate pair is one character
+    ok = parse_assistant(call(f'{{"name": "edit_file", "arguments": {pair}}}'), TOOLS)
+    assert ok.ok and json.loads(ok.tool_calls[0].function.arguments)["new"] == "\N{GRINNING FACE}"
+
+
 def test_a_bad_call_does_not_hide_a_good_one():
     text = call("{oops") + call('{"name": "submit", "arguments": {}}')
     parsed = parse_assistant(text, TOOLS)

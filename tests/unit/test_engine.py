@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from realtime_rl.engine import AsyncEngine, Engine, EngineOverloaded, SamplingParams
+from realtime_rl.engine import AsyncEngine, Engine, EngineOverloaded, EngineStopped, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM, generate
 from tests.conftest import tiny_config
 
@@ -252,7 +252,7 @@ def test_bad_requests_are_refused(moe, prompt, params, message):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"), (dict(top_logprobs=21), "top_logprobs"),
-    (dict(stop=[""]), "stop strings"), (dict(seed=2**64), "seed must"),
+    (dict(stop=[""]), "stop strings"), (dict(stop="abc"), "list of strings"), (dict(seed=2**64), "seed must"),
     (dict(seed=-(2**63) - 1), "seed must"),
 ])
 def test_sampling_params_are_validated(kwargs, message):
@@ -431,6 +431,54 @@ def test_a_dead_engine_thread_fails_its_callers_at_once_not_at_their_timeouts(mo
         assert time.monotonic() - t0 < 30
         with pytest.raises(RuntimeError, match="engine thread died"):
             aengine.generate_sync(prompts(3)[0], GREEDY, 60)  # and every later caller
+
+def test_stopping_the_engine_ends_its_callers_at_once_and_a_restart_serves_again(moe):
+    engine = Engine(moe, max_batch=2)
+    step, started = engine.step, threading.Event()
+
+    def stepping():
+        started.set()
+        time.sleep(0.01)  # so that the request is still running when stop() comes
+        return step()
+
+    engine.step = stepping
+    aengine = AsyncEngine(engine).start()
+    errors: list[BaseException] = []
+
+    def wait_long() -> None:
+        try:
+            aengine.generate_sync(prompts(3)[0], SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True),
+                                  timeout_s=600)
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            errors.append(e)
+
+    caller = threading.Thread(target=wait_long)
+    caller.start()
+    assert started.wait(60)
+    aengine.stop()
+    caller.join(60)  # told now, not at its 600 s timeout
+    assert not caller.is_alive() and isinstance(errors[0], EngineStopped), errors
+    with pytest.raises(EngineStopped):
+        aengine.generate_sync(prompts(3)[0], GREEDY, 60)
+    aengine.start()  # a restarted engine serves new requests
+    try:
+        assert aengine.generate_sync(prompts(3)[0], GREEDY, 60).samples[0].finish_reason in ("stop", "length")
+    finally:
+        aengine.stop()
+
+
+def test_a_row_without_top_p_keeps_its_whole_distribution_beside_a_row_with_one():
+    """The fp32 cumsum of a peaked distribution reaches 1 long before its tail: a top_p = 1 row sharing a batch
+    with a filtered row must not lose that tail (its logprobs would depend on its neighbours)."""
+    from realtime_rl.model.sampling import sampling_logprobs
+
+    logits = torch.randn(2, 151_936, generator=torch.Generator().manual_seed(0)) * 8
+    logits[:, 0] = 60.0  # peaked
+    both, _ = sampling_logprobs(logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.9]))
+    alone, _ = sampling_logprobs(logits[:1], torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([1.0]))
+    assert torch.isfinite(both[0]).all() and torch.equal(both[0], alone[0])
+    assert torch.isinf(both[1]).any()  # the filtered row is filtered
+
 
 def test_a_vanishing_top_p_keeps_the_top_token(moe):
     """5e-324 rounds to 0 in fp32; the engine must still sample (the top token) rather than die."""

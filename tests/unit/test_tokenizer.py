@@ -141,3 +141,5 @@ def test_token_bytes_are_the_bytes_each_token_stands_for(tokenizer):
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some token holds part of a character
     for i in range(tokenizer.vocab_size):  # every id maps (the byte-level table covers the vocabulary)
         assert tokenizer.token_bytes(i)
+    past = tokenizer.vocab_size + 5  # a padded model row (Qwen3 has more rows than tokens): no token, no bytes
+    assert tokenizer.token_bytes(past) == b"" and tokenizer.decode([past]) == ""

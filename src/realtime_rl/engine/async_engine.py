@@ -33,6 +33,10 @@ class EngineOverloaded(RuntimeError):
     """The engine's queue is full; retry later."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine was stopped: requests queued or running then, and any submitted after, end with this."""
+
+
 @dataclass
 class TokenEvent:
     """A streamed event: a new token of sample `index` and the policy version that sampled it, or (token None)
@@ -57,7 +61,11 @@ class AsyncEngine:
         self.error: BaseException | None = None
 
     def start(self) -> AsyncEngine:
+        """Start the engine thread (again, after stop(): a stopped engine serves new requests once restarted)."""
         if self._thread is None:
+            self._stop.clear()
+            if isinstance(self.error, EngineStopped):
+                self.error = None
             self._thread = threading.Thread(target=self._loop, name="rtrl-engine", daemon=True)
             self._thread.start()
         return self
@@ -93,8 +101,12 @@ class AsyncEngine:
             self.error = e
             self.engine.abort_all()
             raise
+        self.error = EngineStopped("the engine was stopped")  # set first: an aborted caller sees why
+        self.engine.abort_all()
 
     def _raise_if_dead(self) -> None:
+        if isinstance(self.error, EngineStopped):
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"the engine thread died: {self.error!r}") from self.error
 
@@ -108,6 +120,9 @@ class AsyncEngine:
             self._pending += 1
         try:
             rid = self.engine.add_request(prompt_ids, params, on_update=on_update)
+            if self.error is not None:  # the thread ended (stopped or died) after the check above: nobody would run it
+                self.engine.abort(rid)
+                self._raise_if_dead()
         except BaseException:
             self._release()
             raise

@@ -42,6 +42,7 @@ class SamplingParams:
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (1 <= self.n <= 128, f"n must be in 1..128, got {self.n}"),
             (0 <= self.top_logprobs <= 20, f"top_logprobs must be in 0..20, got {self.top_logprobs}"),
+            (not isinstance(self.stop, str), f"stop is a list of strings, got the string {self.stop!r}: pass [it]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (self.seed is None or -(2**63) <= self.seed <= 2**64 - self.n,  # seed + i seeds a torch generator
              f"seed must be in -2**63..2**64 - n, got {self.seed}"),

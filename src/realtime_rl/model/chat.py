@@ -28,6 +28,7 @@ content and tool calls, reporting malformed calls precisely instead of raising o
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,14 +161,42 @@ def tool_parameters(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[st
     return out
 
 
+class _NotPortableJson(ValueError):
+    """JSON that Python parses but that cannot go back out as JSON clients read: NaN or an infinity (JSON has
+    neither; `1e999` overflows to one), or a string holding a lone UTF-16 surrogate (`"\\ud800"`: no UTF-8)."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotPortableJson(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _not_json(constant: str) -> float:
+    raise _NotPortableJson(f"{constant} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    """json.loads, refusing what the tool call could not be re-serialized as (see _NotPortableJson)."""
+    obj = json.loads(text, parse_float=_finite, parse_constant=_not_json)
+    try:
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise _NotPortableJson("a string holds a lone surrogate escape (no UTF-8 for it)") from None
+    return obj
+
+
 def _parse_call(index: int, raw: str, schemas: dict[str, dict[str, Any]] | None) -> ToolCall | ToolCallError:
     def error(kind: str, message: str) -> ToolCallError:
         return ToolCallError(index=index, kind=kind, message=message, raw=raw)  # type: ignore[arg-type]
 
     try:
-        obj = json.loads(raw)
+        obj = _loads(raw)
     except json.JSONDecodeError as e:
         return error("bad_json", f"tool call {index} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    except _NotPortableJson as e:
+        return error("bad_json", f"tool call {index} is not portable JSON: {e}")
     except (ValueError, RecursionError):  # an integer past 4300 digits, nesting past the recursion limit
         return error("bad_json", f"tool call {index} cannot be parsed: a number too long or nesting too deep")
     if not isinstance(obj, dict):
@@ -183,8 +212,8 @@ def _parse_call(index: int, raw: str, schemas: dict[str, dict[str, Any]] | None)
     args = obj["arguments"]
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):  # JSONDecodeError, or too many digits or too deep, as above
+            args = _loads(args)
+        except (ValueError, RecursionError):  # not JSON, not portable, too many digits or too deep, as above
             return error("bad_arguments", f"tool call {index} ({name}): arguments string is not JSON")
     if not isinstance(args, dict):
         return error("bad_arguments", f"tool call {index} ({name}): arguments must be an object")

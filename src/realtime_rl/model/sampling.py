@@ -38,8 +38,9 @@ def sampling_logprobs(
         k_B = torch.where(top_k_B > 0, top_k_B, V)
         remove_BV = rank_V[None, :] >= k_B[:, None]
         probs_BV = torch.softmax(sorted_BV.masked_fill(remove_BV, float("-inf")), dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
-        remove_BV |= (probs_BV.cumsum(-1) - probs_BV) >= top_p_B[:, None]
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays). A row
+        # with top_p = 1 drops nothing: its float cumsum reaches 1 before the tail, which must stay.
+        remove_BV |= ((probs_BV.cumsum(-1) - probs_BV) >= top_p_B[:, None]) & (top_p_B < 1)[:, None]
         remove_BV[:, 0] = False  # the top-ranked token always stays, whatever rounding does to top_p
         scaled_BV = scaled_BV.scatter(1, order_BV, sorted_BV.masked_fill(remove_BV, float("-inf")))
     return torch.log_softmax(scaled_BV, dim=-1), raw_BV

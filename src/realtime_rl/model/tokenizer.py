@@ -168,10 +168,14 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (part of a UTF-8 character, for some: decode() shows those as
-        U+FFFD); an added token's are its text's."""
+        U+FFFD); an added token's are its text's; none for an id past the tokenizer's vocabulary (a model may
+        have more rows, as Qwen3 has: decode() drops such ids too)."""
+        token = self.hf.id_to_token(token_id)
+        if token is None:
+            return b""
         if token_id in self._added_ids:
-            return self.hf.id_to_token(token_id).encode()
-        return bytes(_BYTE_OF[c] for c in self.hf.id_to_token(token_id))
+            return token.encode()
+        return bytes(_BYTE_OF[c] for c in token)
 
     def encode_chat(
         self,
