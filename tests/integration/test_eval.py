@@ -81,3 +81,39 @@ def test_synthetic_tasks_grade_exactly(tmp_path):
     for task in tasks[:4]:
         files = task.workspace() | {task.solution_files[0]: task.read(task.novice_files[0])}
         assert not grade(task, files, sandbox).passed
+
+
+@pytest.mark.parametrize("runner", ["light", "pytest"])
+def test_a_solution_that_skips_the_tests_it_cannot_pass_is_not_graded_as_passing(runner):
+    """Skipping (unittest.SkipTest, pytest.skip) is not passing: the reward must not pay a partial solution."""
+    from realtime_rl.config import SandboxConfig
+    from realtime_rl.environments import load_task
+    from realtime_rl.environments.grading import grade
+    from realtime_rl.environments.sandbox import Sandbox, WarmPool
+
+    task = load_task(EXERCISM / "two-fer")
+    files = task.workspace() | {"two_fer.py": (
+        "import unittest\n\n\ndef two_fer(name='you'):\n    if name != 'you':\n"
+        "        raise unittest.SkipTest('not handled')\n    return 'One for you, one for me.'\n")}
+    result = grade(task, files, Sandbox(SandboxConfig(test_runner=runner)))
+    assert not result.passed and result.tests_passed >= 1
+    with WarmPool(SandboxConfig(pool_size=1)) as pool:
+        report = pool.run_tests(files, list(task.test_files))
+    assert not report.ok and report.skipped >= 1
+
+
+def test_a_task_whose_tests_the_workspace_cannot_hold_is_refused_when_loaded(tmp_path):
+    from realtime_rl.environments import load_task
+
+    task_dir = tmp_path / "two-fer"
+    shutil.copytree(EXERCISM / "two-fer", task_dir)
+    config_path = task_dir / ".meta" / "config.json"
+    config = json.loads(config_path.read_text())
+    (task_dir / "tests").mkdir()
+    (task_dir / "two_fer_test.py").rename(task_dir / "tests" / "two_fer_test.py")
+    config_path.write_text(json.dumps(config | {"files": config["files"] | {"test": ["tests/two_fer_test.py"]}}))
+    with pytest.raises(ValueError, match="must be top-level files of the task, got tests/two_fer_test.py"):
+        load_task(task_dir)
+    config_path.write_text(json.dumps(config | {"files": config["files"] | {"test": ["../elsewhere_test.py"]}}))
+    with pytest.raises(ValueError, match="outside the task: ../elsewhere_test.py"):
+        load_task(task_dir)

@@ -221,6 +221,17 @@ def test_warm_slot_survives_a_hang_and_a_killed_slot(pool):
     assert all(r.ok and r.warm for r in reports)
 
 
+def test_a_fallback_run_gets_what_is_left_of_the_calls_timeout_not_a_fresh_one(sandbox, pool):
+    """A solution that sleeps, then exits before reporting, makes the warm run (or the light runner) fall back to
+    pytest: the whole run_tests call stays within its timeout, so the fallback times out here."""
+    files = {"test_s.py": "import s\n\ndef test_s():\n    assert s.ok()\n",
+             "s.py": "import os, time\ntime.sleep(1.5)\nos._exit(1)\n"}
+    warm = pool.run_tests(files, ["test_s.py"], timeout_s=2.5)
+    assert warm.fallback_reason and warm.timed_out and not warm.ok
+    light = sandbox.run_tests(files, ["test_s.py"], timeout_s=2.5, runner="light")
+    assert light.fallback_reason and light.timed_out and not light.ok
+
+
 def test_warm_runs_do_not_leak_into_each_other(pool):
     full = pool.sandbox.isolation_level == IsolationLevel.FULL
     scratch = "/tmp" if full else "."  # the weak tier's /tmp is the host's

@@ -52,6 +52,14 @@ def test_write_and_edit():
     assert "return 2" in t.workspace.files["new/c.py"]
 
 
+@pytest.mark.parametrize("path", ["notes\\x.txt", "a\x00.py"])
+def test_a_path_the_sandbox_could_not_write_is_refused_and_never_enters_the_workspace(path):
+    t = tools()
+    out = call(t, "write_file", path=path, content="x = 1\n")
+    assert out.error and "POSIX path" in out.content
+    assert sorted(t.workspace.files) == ["a.py", "pkg/b.py"]
+
+
 def test_edit_fails_clearly_when_absent_or_ambiguous():
     t = tools()
     absent = call(t, "edit_file", path="a.py", old="z = 3", new="z = 4")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 
@@ -100,6 +100,13 @@ def load_task(path: str | Path) -> Task:
         metadata=config.get("rtrl") or {},
     )
     listed = [*task.solution_files, *task.test_files, *task.example_files, *task.hidden_test_files, *task.novice_files]
+    escaping = [rel for rel in listed if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts]
+    if escaping:
+        raise ValueError(f"{path}: .meta/config.json lists files outside the task: {', '.join(escaping)}")
+    hidden = [rel for rel in (*task.solution_files, *task.test_files) if "/" in rel or rel.startswith(".")]
+    if hidden:  # the workspace holds the top-level files only: the agent could never see or run these
+        raise ValueError(f"{path}: solution and test files must be top-level files of the task, got "
+                         f"{', '.join(hidden)}")
     missing = [rel for rel in listed if not (path / rel).is_file()]
     if missing:
         raise ValueError(f"{path}: .meta/config.json lists files that do not exist: {', '.join(missing)}")

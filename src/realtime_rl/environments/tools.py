@@ -77,7 +77,8 @@ class ToolOutcome:
 
 
 class Workspace:
-    """Text files by relative POSIX path. Paths are normalized; absolute paths and `..` are refused."""
+    """Text files by relative POSIX path. Paths are normalized; absolute paths, `..`, backslashes and NUL are
+    refused (the sandbox could not write them: one in the workspace would break every later test run)."""
 
     def __init__(self, files: Mapping[str, str] | None = None) -> None:
         self.files: dict[str, str] = {}
@@ -88,6 +89,8 @@ class Workspace:
     def normalize(path: str) -> str:
         if not isinstance(path, str) or not path.strip():
             raise ValueError("path must be a non-empty string")
+        if "\\" in path or "\0" in path:  # what the sandbox refuses to write must not enter the workspace
+            raise ValueError(f"path {path!r} must be a POSIX path: no backslash or NUL")
         p = PurePosixPath(path.strip())
         if p.is_absolute() or ".." in p.parts:
             raise ValueError(f"path {path!r} must be relative to the workspace and stay inside it")

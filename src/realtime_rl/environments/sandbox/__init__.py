@@ -36,10 +36,11 @@ What this does NOT isolate:
 - The clock: the time namespace is shared. Warm-pool runs share their slot's sandbox over time (it is
   wiped and every leftover process killed between runs) and its cgroup limits cover the slot, not a run.
 - Code under test tampering with its own test process: solution code imported by the tests can patch
-  assertion helpers or exit early with forged output. Grading uses pristine, read-only test files,
-  ignores conftest.py/ini files and counts through a private pipe, but the tests and the solution share
-  one process; catching that is the reward-hacking monitors' job. The warm pool's light runner shares
-  that limit and is never used for grading.
+  assertion helpers, or find the report pipe (/proc/self/fd), write forged counts to it and exit. Grading
+  uses pristine, read-only test files, ignores conftest.py/ini files, counts through a private pipe and
+  does not count a skipped test as passed, but the tests and the solution share one process, and nothing
+  here or in the reward-hacking monitors (which compare behaviour rates, not code) detects such a forgery:
+  a known gap. The warm pool shares that limit and is never used for grading.
 """
 
 from realtime_rl.environments.sandbox.pool import WarmPool

@@ -34,6 +34,7 @@ from realtime_rl.environments.sandbox.sandbox import (
     Sandbox,
     check_tests,
     make_report,
+    remaining,
     signal_of,
 )
 START_TIMEOUT_S = 30.0
@@ -139,7 +140,8 @@ class WarmPool:
         try:
             slot = self._idle.get(timeout=self.config.wall_s)
         except queue.Empty:
-            return self._cold(files, tests, timeout, "no warm slot became free within wall_s")
+            return self._cold(files, tests, time.monotonic() + timeout, "no warm slot became free within wall_s")
+        deadline = time.monotonic() + timeout  # the run's, from here: a cold fallback gets what is left of it
         healthy = None
         try:
             slot = slot or self._start()
@@ -150,7 +152,7 @@ class WarmPool:
         except (SlotError, OSError, TimeoutError) as e:
             if slot is not None:
                 slot.close()
-            return self._cold(files, tests, timeout, f"warm slot failed ({e}); it is replaced")
+            return self._cold(files, tests, deadline, f"warm slot failed ({e}); it is replaced")
         finally:
             self._give_back(healthy)
         run = self._run_result(reply)
@@ -158,9 +160,9 @@ class WarmPool:
         if run.timed_out:
             return make_report(run, None, warm=True)
         if report is None:
-            return self._cold(files, tests, timeout, "the warm run ended without a report (crash or exit)")
+            return self._cold(files, tests, deadline, "the warm run ended without a report (crash or exit)")
         if report.get("fallback"):
-            return self._cold(files, tests, timeout, report["fallback"])
+            return self._cold(files, tests, deadline, report["fallback"])
         return make_report(run, report, warm=True)
 
     def _run_result(self, reply: dict) -> RunResult:
@@ -172,8 +174,8 @@ class WarmPool:
                          isolation_label=self.sandbox.isolation_label + "; warm pool slot",
                          signal=signal_of(code))
 
-    def _cold(self, files, tests, timeout: float, reason: str) -> TestReport:
-        report = self.sandbox.run_tests(files, tests, timeout_s=timeout, runner="pytest")
+    def _cold(self, files, tests, deadline: float, reason: str) -> TestReport:
+        report = self.sandbox.run_tests(files, tests, timeout_s=remaining(deadline), runner="pytest")
         return dataclasses.replace(report, fallback_reason=reason)
 
     def _give_back(self, slot: Slot | None) -> None:

@@ -68,7 +68,8 @@ class TestReport:
     errors: int
     """Collection errors (a test file that does not import) and setup/teardown errors."""
     ok: bool
-    """Exit status 0, at least one test passed, none failed or errored, no timeout."""
+    """Exit status 0, at least one test passed, none failed, errored or was skipped (a solution can skip the tests it
+    cannot pass), no timeout."""
     output: str
     """pytest's (or the warm runner's) stdout then stderr, each truncated at output_bytes."""
     run: RunResult

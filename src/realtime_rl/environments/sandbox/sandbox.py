@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -115,12 +116,13 @@ class Sandbox:
         encoded = encode_files(files)
         tests = check_tests(encoded, test_files)
         timeout = self.resolve_timeout(timeout_s)
+        deadline = time.monotonic() + timeout  # the whole call's, a fallback run included
         workspace = b64_files({k: v for k, v in encoded.items() if k not in tests})
         ro_files = {t: encoded[t] for t in tests}
 
         def launch(header: dict) -> tuple[RunResult, dict | None]:
             process = SandboxProcess(self.probe, self.config, header, ro_files=ro_files, report=True)
-            outcome = process.communicate(b"", timeout, self.config.output_bytes)
+            outcome = process.communicate(b"", remaining(deadline), self.config.output_bytes)
             return self.result(outcome), parse_report(outcome.report)
 
         reason = None
@@ -134,12 +136,23 @@ class Sandbox:
         return make_report(run, counts, fallback_reason=reason)
 
 
+MIN_RUN_S = 0.1
+
+
+def remaining(deadline: float) -> float:
+    """What is left of a run_tests call's timeout for its next launch (at least MIN_RUN_S: a fallback started
+    at the deadline times out rather than getting a fresh timeout)."""
+    return max(MIN_RUN_S, deadline - time.monotonic())
+
+
 def make_report(run: RunResult, counts: dict | None, warm: bool = False,
                 fallback_reason: str | None = None) -> TestReport:
     counts = counts or {}
-    passed, failed, errors = (int(counts.get(k, 0)) for k in ("passed", "failed", "errors"))
+    passed, failed, errors, skipped = (int(counts.get(k, 0)) for k in ("passed", "failed", "errors", "skipped"))
+    # A skipped test is not a passed one: a solution that raises SkipTest (or calls pytest.skip) on the inputs it
+    # cannot handle must not be graded as solving them.
     ok = (run.exit_code == 0 and counts.get("exit_code") == 0 and not run.timed_out
-          and passed >= 1 and failed == 0 and errors == 0)
+          and passed >= 1 and failed == 0 and errors == 0 and skipped == 0)
     output = run.stdout
     if run.stderr:
         output += ("" if not output or output.endswith("\n") else "\n") + run.stderr
@@ -148,5 +161,5 @@ def make_report(run: RunResult, counts: dict | None, warm: bool = False,
     if run.output_truncated:
         output += "\n[sandbox] output truncated\n"
     return TestReport(passed=passed, failed=failed, errors=errors, ok=ok, output=output, run=run,
-                      timed_out=run.timed_out, skipped=int(counts.get("skipped", 0)), warm=warm,
+                      timed_out=run.timed_out, skipped=skipped, warm=warm,
                       fallback_reason=fallback_reason)
