@@ -18,7 +18,7 @@ from realtime_rl.collect import SqliteEventStore
 from realtime_rl.config import ApiKey, ServeConfig
 from realtime_rl.deploy import FilesystemTransport, WeightPublisher
 from realtime_rl.deploy.canary import assign_arm
-from realtime_rl.engine import AsyncEngine, Engine, SamplingParams
+from realtime_rl.engine import AsyncEngine, Engine, EngineStopped, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM
 from realtime_rl.serve import create_app
 from tests.conftest import tiny_config
@@ -276,7 +276,7 @@ def test_the_candidate_arm_appears_with_its_first_version_and_follows_its_store(
         assert client.app.state.serve.arms.candidate is candidate
         assert torch.equal(candidate.engine.model.lm_head.weight, state["lm_head.weight"])
         assert ask(client, user=user).json()["system_fingerprint"] == "rtrl-v4"
-    with pytest.raises(RuntimeError, match="not started"):  # the gateway stopped the engine it built
+    with pytest.raises(EngineStopped):  # the gateway stopped the engine it built
         candidate.generate_sync([1, 2, 3], SamplingParams(max_tokens=1), timeout_s=5)
 
 
