@@ -260,3 +260,30 @@ def test_each_attempt_has_its_own_summary_budget(tokenizer, task, sandbox):
     assert policy.summary_calls == 2 and len(ep.summary_lengths) == 2 and len(ep.segments) == 4
     assert ep.metadata["attempts"] == 2 and ep.metadata["test_results"] == [False, True] and ep.ended_by == "submit"
     assert grade(task, result.workspace.snapshot(), sandbox).passed
+
+
+def test_a_long_observation_is_cut_to_leave_room_for_the_summary_it_triggers(tokenizer, task, sandbox, tmp_path):
+    shutil.copytree(task.path, tmp_path / "two-fer")
+    (tmp_path / "two-fer" / "notes.txt").write_text("word " * 2000)
+    task = load_task(tmp_path / "two-fer")
+    solution = task.reference_solution()["two_fer.py"]
+    head = len(tokenizer.encode(render_messages(first_turn_messages(task), TOOL_SCHEMAS)))
+    policy = SummarizingPolicy(tokenizer, [
+        tc("read_file", path="notes.txt"),  # ~4000 characters back: more than the context has left
+        tc("write_file", path="two_fer.py", content=solution),
+        tc("submit"),
+    ], "Task: two_fer. Next I write the solution.")
+    cfg = AgentConfig(summary_trigger_tokens=head + 150, max_context_tokens=head + 700, max_new_tokens=200,
+                      max_summary_tokens=64, max_observation_chars=4000)
+    ep = run_episode(policy, tokenizer, task, sandbox, cfg).episode
+    assert ep.ended_by == "submit" and policy.summary_calls == 1, ep.ended_by  # it used to overflow instead
+    assert all(len(s.token_ids) <= cfg.max_context_tokens for s in ep.segments)
+    assert "[truncated: the rest did not fit in the context]" in tokenizer.decode(ep.segments[0].token_ids.tolist())
+
+
+def test_a_first_context_past_the_trigger_is_not_summarized_before_any_turn(tokenizer, task, sandbox):
+    head = len(tokenizer.encode(render_messages(first_turn_messages(task), TOOL_SCHEMAS)))
+    policy = SummarizingPolicy(tokenizer, [tc("submit")], "nothing yet")
+    cfg = AgentConfig(summary_trigger_tokens=head // 2, max_context_tokens=head + 600, max_new_tokens=64)
+    ep = run_episode(policy, tokenizer, task, sandbox, cfg).episode
+    assert ep.ended_by == "submit" and policy.summary_calls == 0 and ep.num_turns == 1

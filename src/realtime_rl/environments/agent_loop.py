@@ -148,6 +148,23 @@ def first_turn_messages(task: Task) -> list[dict[str, Any]]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task_prompt(task)}]
 
 
+TRUNCATED = "\n[truncated: the rest did not fit in the context]"
+
+
+def _observation_tokens(tokenizer: Tokenizer, observations: list[str], room: int | None) -> list[int]:
+    """The tool responses' tokens; with `room` (tokens), each observation is cut short, by the same share, until
+    they fit: a long observation must not leave the context too full to summarize it."""
+    tokens = tokenizer.encode(render_tool_responses(observations, add_generation_prompt=False))
+    share = 1.0
+    for _ in range(12):  # each pass cuts by at least a tenth more; what still does not fit overflows as before
+        if room is None or len(tokens) <= room:
+            break
+        share *= min(0.9, max(room, 0) / len(tokens))
+        cut = [o[:int(len(o) * share)] + TRUNCATED if int(len(o) * share) < len(o) else o for o in observations]
+        tokens = tokenizer.encode(render_tool_responses(cut, add_generation_prompt=False))
+    return tokens
+
+
 def run_episode(
     policy: Policy,
     tokenizer: Tokenizer,
@@ -174,11 +191,14 @@ def run_episode(
     attempt, attempt_turns, attempt_summaries = 1, 0, 0
     first_reply: dict[str, Any] | None = None
 
+    summary_request = tokenizer.encode(render_messages([{"role": "user", "content": SUMMARY_REQUEST}],
+                                                       add_generation_prompt=True))
+    segment_turns = 0  # turns since the segment began: a context with none has nothing to summarize
     while attempt_turns < config.max_turns:
         # Self-summarize when the context is past its budget, then restart the segment from the summary.
-        if len(seg.token_ids) > config.summary_trigger_tokens and attempt_summaries < config.max_summaries:
-            request = render_messages([{"role": "user", "content": SUMMARY_REQUEST}], add_generation_prompt=True)
-            seg.add_context(tokenizer.encode(request))
+        if (len(seg.token_ids) > config.summary_trigger_tokens and attempt_summaries < config.max_summaries
+                and segment_turns > 0):
+            seg.add_context(summary_request)
             if len(seg.token_ids) + config.max_summary_tokens > config.max_context_tokens:
                 ended_by = "context_overflow"
                 break
@@ -191,6 +211,7 @@ def run_episode(
             seg = _SegmentBuilder()
             restart = [*base_messages, {"role": "user", "content": SUMMARY_PREFIX + summary.strip()}]
             seg.add_context(tokenizer.encode(render_messages(restart, TOOL_SCHEMAS)))
+            segment_turns = 0
 
         seg.add_context(assistant_prompt)
         if len(seg.token_ids) + config.max_new_tokens > config.max_context_tokens:
@@ -198,6 +219,7 @@ def run_episode(
             break
         turns += 1
         attempt_turns += 1
+        segment_turns += 1
         out = policy.generate(seg.token_ids, config.max_new_tokens, stop_ids)
         seg.add_generated(out)
         if out.token_ids and out.token_ids[-1] in stop_ids:
@@ -236,13 +258,16 @@ def run_episode(
             ended_by = "answer"  # a plain reply hands control back to the user
             break
         observations = [content for _, content in sorted(results)]
-        seg.add_context(tokenizer.encode(render_tool_responses(observations, add_generation_prompt=False)))
+        room = None  # while a summary may still be written, the observations leave room to ask for and write it
+        if attempt_summaries < config.max_summaries:
+            room = config.max_context_tokens - len(seg.token_ids) - len(summary_request) - config.max_summary_tokens
+        seg.add_context(_observation_tokens(tokenizer, observations, room))
         if retry:  # a fresh attempt: the task's files, a new segment from the task's first context
             segments.append(seg.build())
             tools.workspace = workspace = Workspace(task.workspace())
             seg = _SegmentBuilder()
             seg.add_context(first_context)
-            attempt, attempt_turns, attempt_summaries = attempt + 1, 0, 0
+            attempt, attempt_turns, attempt_summaries, segment_turns = attempt + 1, 0, 0, 0
 
     segments.append(seg.build())
     episode = Episode(
