@@ -123,6 +123,15 @@ def test_timeout_kills_the_whole_tree(sandbox):
     assert host_pids_with(token) == []
 
 
+def test_a_program_may_start_threads_under_the_memory_limit():
+    """glibc's per-thread malloc arenas are address space that RLIMIT_AS counts: 512 MB used to stop at 14."""
+    program = ("import threading, time\n"
+               "threads = [threading.Thread(target=time.sleep, args=(0.2,)) for _ in range(30)]\n"
+               "for t in threads:\n    t.start()\nprint('started', len(threads))\n")
+    result = Sandbox(SandboxConfig(memory_mb=512)).run(["python3", "-c", program], {})
+    assert result.exit_code == 0 and result.stdout.strip() == "started 30", result.stderr
+
+
 def test_memory_and_file_size_limits(sandbox):
     mem = sandbox.run(["python3", "-c", "b = bytearray(2 * 1024**3)"], {})
     assert not mem.ok and "MemoryError" in mem.stderr
