@@ -196,11 +196,15 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
         with Registry.open(loop_dir) as registry:  # then a cycle's gate got as far as the registry
             registry.register(other, parent=0)
             registry.transition(1, "canary", reason="gate: test")
+        RealtimeLoop(config).close()  # adopts v1, to deploy; then stops again before a cycle does it
         loop = RealtimeLoop(config)
         try:
-            assert loop.state.canary == 1 and loop.gateway.traffic()["candidate_fraction"] == 0.0
+            assert loop.state.canary == 1 and not loop.state.canary_deployed
+            assert loop.gateway.traffic()["candidate_fraction"] == 0.0
+            window_end = time.time()  # the cycle's window ended before the canary got users
             actions = loop._follow_registry()
             assert any("canary v1" in a and "deployed" in a for a in actions), actions
+            assert loop._judge_canary(window_end)["decision"] == "continue" and loop.state.canary_cycles == 0
             traffic = loop.gateway.traffic()
             assert traffic["candidate_fraction"] == 0.25 and traffic["salt"] == "canary-v1"
             assert traffic["arms"]["candidate"]["version"] == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,8 @@ from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, parse_assistant
 from realtime_rl.model.qwen3 import ModelOutput
 from realtime_rl.train.base_eval import heldout_tasks, teacher_forced_misses, wilson_interval
 from realtime_rl.train.corpus import (
-    MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution, commented, renamed,
-    shared_prefix_length, stage_comments, synthetic_tasks, tasks_per_difficulty, tokenizer_texts,
+    CorpusWorkers, MemoryTask, _solution, build_followup_documents, build_write_documents, classify_solution,
+    commented, renamed, shared_prefix_length, stage_comments, synthetic_tasks, tasks_per_difficulty, tokenizer_texts,
     without_docstring, wrong_stage_comment,
 )
 from realtime_rl.train.data_parallel import share
@@ -217,6 +218,19 @@ def test_wrong_stage_comment_names_the_first_stage_whose_comment_is_not_the_inst
             missing = bug["stage"] - 1 if bug["kind"] == "missing_step" else None
             novice = commented(task.read(bug["file"]), missing, task.instructions)
             assert wrong_stage_comment(task, novice) == 0
+
+
+def _sleeping_chunk(items: list[int], seconds: float) -> list[int]:
+    time.sleep(seconds)
+    return items
+
+
+def test_a_corpus_phase_past_its_timeout_fails_and_its_processes_are_killed():
+    """Leaving the `with` block on the timeout kills the chunks still running instead of waiting them out."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError), CorpusWorkers(2, timeout_s=1.0) as workers:
+        workers.map(_sleeping_chunk, list(range(8)), 300.0)
+    assert time.monotonic() - start < 120  # not the chunks' 300 s
 
 
 def test_write_documents_are_the_loops_first_turn(tmp_path):

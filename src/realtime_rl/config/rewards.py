@@ -54,6 +54,12 @@ class ActionRewards(StrictModel):
     """Per malformed tool call, whatever else the completion did (a malformed completion pays only this)."""
 
 
+SETTLE_SEMANTICS = 2
+"""Bumped when rules.settle pays the same numbers differently (2: an edit_persisted decides only once the store's
+clock shows the persist window; a session_end closes only completions created before it), so that a digest
+names what was paid."""
+
+
 class RewardRules(StrictModel):
     """How user signals become a reward for one completion choice."""
 
@@ -95,8 +101,10 @@ class RewardRules(StrictModel):
         return self
 
     def digest(self) -> str:
-        """A hash of the numbers (not the version name): equal digests pay equally."""
-        body = json.dumps(self.model_dump(mode="json", exclude={"version"}), sort_keys=True, separators=(",", ":"))
+        """A hash of the numbers (not the version name) and of how rules.settle reads them (SETTLE_SEMANTICS):
+        equal digests pay equally."""
+        numbers = self.model_dump(mode="json", exclude={"version"})
+        body = json.dumps({**numbers, "semantics": SETTLE_SEMANTICS}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 

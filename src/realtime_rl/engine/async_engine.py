@@ -106,7 +106,7 @@ class AsyncEngine:
 
     def _raise_if_dead(self) -> None:
         if isinstance(self.error, EngineStopped):
-            raise self.error
+            raise EngineStopped(str(self.error))  # a fresh one per caller: one shared traceback would grow
         if self.error is not None:
             raise RuntimeError(f"the engine thread died: {self.error!r}") from self.error
 

@@ -258,8 +258,8 @@ def run_episode(
             ended_by = "answer"  # a plain reply hands control back to the user
             break
         observations = [content for _, content in sorted(results)]
-        room = None  # while a summary may still be written, the observations leave room to ask for and write it
-        if attempt_summaries < config.max_summaries:
+        room = None  # while a turn and a summary may still follow, the observations leave room for the summary
+        if attempt_summaries < config.max_summaries and attempt_turns < config.max_turns:
             room = config.max_context_tokens - len(seg.token_ids) - len(summary_request) - config.max_summary_tokens
         seg.add_context(_observation_tokens(tokenizer, observations, room))
         if retry:  # a fresh attempt: the task's files, a new segment from the task's first context

@@ -121,7 +121,6 @@ class RealtimeLoop:
             base = config.base_checkpoint or ensure_base_model(PretrainConfig())
             live = self.registry.bootstrap(base, version=0)
             self._publish_champion(live)
-        self._redeploy_canary = False
         self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1),
                                       config.gate_split, config.gate_start)
         self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4], "heldout", config.gate_start)
@@ -254,7 +253,7 @@ class RealtimeLoop:
         if canaries:
             if self.state.canary != canaries[-1].version:
                 self.state.canary, self.state.canary_since, self.state.canary_cycles = canaries[-1].version, time.time(), 0
-                self._redeploy_canary = True
+                self.state.canary_deployed = False
         else:
             self.state.canary, self.state.canary_since, self.state.canary_cycles = None, None, 0
         for orphan in self.registry.list("candidate"):
@@ -287,10 +286,10 @@ class RealtimeLoop:
             self.gateway.set_candidate_fraction(0.0)
             actions.append(f"canary v{state.canary} is {now} by hand: its traffic share is now 0")
             state.canary, state.canary_since, state.canary_cycles = None, None, 0
-        if state.canary is not None and self._redeploy_canary:
+        if state.canary is not None and not state.canary_deployed:
             self._deploy_canary(state.canary)
-            actions.append(f"canary v{state.canary} (adopted after a stop before it got its traffic share) deployed")
-        self._redeploy_canary = False
+            actions.append(f"canary v{state.canary} (adopted after a stop before it got its traffic share) deployed;"
+                           " judged from the next window")
         live, served = self.registry.live(), self.champion_serves
         if live.version != served:
             self._publish_champion(live)
@@ -306,6 +305,10 @@ class RealtimeLoop:
     def _judge_canary(self, window_end: float) -> dict[str, Any]:
         state, cfg = self.state, self.config
         version = state.canary
+        if state.canary_since is not None and state.canary_since >= window_end:  # deployed after this window
+            reason = "deployed after this cycle's window: judged from the next"
+            self.console.print(f"canary v{version}: {reason}")
+            return {"version": version, "decision": "continue", "reason": reason}
         traffic = read_traffic(self.store, since=state.canary_since, until=window_end)
         events = [e for evs in traffic.events.values() for e in evs]
         ab = analyze(ab_records(traffic.completions, events, cfg.rewards.persist_window_s, cfg.rewards.horizon_s),
@@ -460,6 +463,7 @@ class RealtimeLoop:
         # A fresh salt per canary: each one gets its own random half of the users, not the last one's.
         self.gateway.set_candidate_fraction(self.config.ab.candidate_fraction, salt=f"canary-v{version}")
         self.state.canary, self.state.canary_since, self.state.canary_cycles = version, time.time(), 0
+        self.state.canary_deployed = True
 
     def _await_candidate(self, version: int, timeout_s: float | None = None) -> None:
         """Wait until the gateway's candidate arm serves `version` before sending it users."""

@@ -19,6 +19,9 @@ class LoopState:
     """The version serving as canary, if any."""
     canary_since: float | None = None
     canary_cycles: int = 0
+    canary_deployed: bool = True
+    """False for a canary adopted from the registry after a stop before its weights and traffic share reached the
+    gateway: the next cycle deploys it (state files from before this field hold deployed canaries only)."""
     trained_through: dict[int, int] = field(default_factory=dict)
     """Per trained version, the ledger's settle_seq through which settled rewards were considered when it was
     trained. A candidate of live version L trains on what came after trained_through[L] (0 for the base): never

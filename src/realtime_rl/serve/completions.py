@@ -49,10 +49,11 @@ from realtime_rl.types import ToolCall, ToolCallError
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 180.0
-"""Longest wait for the store to record a completion: past the stores' own bounds (SQLite: its lock 30 s, then
-its busy timeout 10 s; PostgreSQL: its lock 90 s, then statement_timeout 60 s), which fail the write and roll it
-back, so a 503 means not recorded. Only a store that hangs past every bound of its own reaches this wait, and
-then whether the record landed is unknown (it may still commit after the 503)."""
+"""Longest wait for the store to record a completion: past what the stores' own bounds usually add up to
+(SQLite: its lock 30 s, then its busy timeout 10 s; PostgreSQL: its lock 90 s, then statement_timeout 60 s per
+statement), which fail the write and roll it back, so a 503 means not recorded. A store slower than that (a
+PostgreSQL write of several slow statements, or a hung one) reaches this wait, and then whether the record
+landed is unknown (it may still commit after the 503)."""
 ARM_HEADER = "X-Rtrl-Arm"
 """Response header naming the arm ("champion" or "candidate") that served a completion."""
 

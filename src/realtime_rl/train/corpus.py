@@ -79,7 +79,8 @@ class CorpusWorkers:
     """Maps a function over contiguous chunks of a list in `processes` spawned processes and concatenates the
     results in order: the corpus is the same for any number of processes (each chunk's randomness is drawn
     before, in order). One process runs the function here, on the whole list. A phase that takes longer than
-    timeout_s, or a process that dies, is an error (concurrent.futures' TimeoutError, BrokenProcessPool)."""
+    timeout_s, or a process that dies, is an error (concurrent.futures' TimeoutError, BrokenProcessPool), and
+    leaving the `with` block on an error kills the processes still running."""
 
     def __init__(self, processes: int = 1, timeout_s: float = 3600.0) -> None:
         if processes < 1:
@@ -90,10 +91,14 @@ class CorpusWorkers:
     def __enter__(self) -> CorpusWorkers:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self._pool is None:
+            return
+        if exc_type is not None:  # a timeout or a failure: the work is abandoned, so is a chunk still running
+            for process in list(self._pool._processes.values()):  # the executor has no public way to kill them
+                process.kill()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = None
 
     def map(self, fn: Callable[..., list[T]], items: Sequence[Any], *args: Any) -> list[T]:
         if self.processes == 1 or len(items) < 2 * self.processes:
