@@ -81,6 +81,7 @@ from statsmodels.stats.proportion import confint_proportions_2indep, proportion_
 
 from realtime_rl.collect import CompletionRecord, FeedbackEvent
 from realtime_rl.config.loop import ABConfig
+from realtime_rl.rewards.rules import decides
 from realtime_rl.rewards.stats import cluster_robust, finite
 
 ARMS = ("champion", "candidate")
@@ -140,13 +141,8 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
 
 def _decides(event: FeedbackEvent, created_at: float, persist_window_s: float, horizon_s: float) -> bool:
     """Whether a stored event decides the edit's outcome of the completion created at `created_at`: the reward
-    rules' `decides`, within their horizon (they take a RewardRules, which has no zero window)."""
-    if event.recorded_at > created_at + horizon_s:
-        return False
-    if event.type == "edit_persisted":
-        return (event.window_s is not None and event.window_s >= persist_window_s
-                and event.recorded_at - created_at >= persist_window_s)
-    return event.type in ("edit_reverted", "edit_rejected")
+    rules' own test (rules.decides), within their horizon."""
+    return event.recorded_at <= created_at + horizon_s and decides(event, persist_window_s, created_at)
 
 
 @dataclass(frozen=True)

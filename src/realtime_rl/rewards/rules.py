@@ -114,11 +114,12 @@ def items_from_completion(record: CompletionRecord) -> list[Item]:
             for c in record.choices]
 
 
-def decides(event: FeedbackEvent, rules: RewardRules, created_at: float) -> bool:
-    """Whether the stored event settles the outcome of an edit in a completion created at `created_at`."""
+def decides(event: FeedbackEvent, persist_window_s: float, created_at: float) -> bool:
+    """Whether the stored event settles the outcome of an edit in a completion created at `created_at`
+    (the A/B's kept and reverted use it too: evaluate/ab.py)."""
     if event.type == "edit_persisted":
-        return (event.window_s is not None and event.window_s >= rules.persist_window_s
-                and event.recorded_at is not None and event.recorded_at - created_at >= rules.persist_window_s)
+        return (event.window_s is not None and event.window_s >= persist_window_s
+                and event.recorded_at is not None and event.recorded_at - created_at >= persist_window_s)
     return event.type in ("edit_reverted", "edit_rejected")
 
 
@@ -144,7 +145,7 @@ def settle(item: Item, events: list[FeedbackEvent], rules: RewardRules, now: flo
     awaits_edit = item.kind == "edit" or any(e.type == "edit_accepted" and e.recorded_at <= followups_at
                                              for e in events)
     decided_at = next((e.recorded_at for e in events
-                       if e.recorded_at <= horizon_at and decides(e, rules, item.created_at)), None)
+                       if e.recorded_at <= horizon_at and decides(e, rules.persist_window_s, item.created_at)), None)
     if not awaits_edit:
         status: Status = "final"
         closed_at = followups_at
@@ -175,7 +176,7 @@ def settle(item: Item, events: list[FeedbackEvent], rules: RewardRules, now: flo
         if e.type.startswith("edit_"):
             if e.type in paid_edits:
                 amount, note = 0.0, "repeated"
-            elif e.type == "edit_persisted" and not decides(e, rules, item.created_at):
+            elif e.type == "edit_persisted" and not decides(e, rules.persist_window_s, item.created_at):
                 amount, note = 0.0, _not_deciding(e, rules, item.created_at)
             elif e.type in DECISIONS and decided:
                 amount, note = 0.0, "after the edit's outcome was decided"
