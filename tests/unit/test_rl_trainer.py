@@ -734,6 +734,21 @@ def test_a_rollout_on_the_reserved_split_draws_only_reserved_structures():
         RolloutConfig(split="heldout")
 
 
+def test_a_rollout_never_trains_a_held_out_structure_as_part_of_a_longer_one():
+    from realtime_rl.config import RolloutConfig
+    from realtime_rl.environments.synthetic import holds_heldout_part, pick
+    from realtime_rl.environments.synthetic_index import structure_name, structures
+    from realtime_rl.rollout.worker import GroupJob, job_task
+
+    ops_of = {structure_name(ops): ops for ops in structures()}
+    holding = [i for i in range(200) if holds_heldout_part(pick(i, "train", 0, 3).ops)]
+    assert holding  # about a fifth of the three-stage train structures hold a held-out pair
+    for i in holding[:5]:
+        task = job_task(GroupJob("g", i, 3, 8, 0, 0), RolloutConfig(max_difficulty=3))
+        assert task.metadata["difficulty"] == 3
+        assert not holds_heldout_part(ops_of[task.metadata["structure"]])
+
+
 def _segment(tokens: list[int], prompt: int, routing: np.ndarray) -> Segment:
     n = len(tokens)
     mask = np.arange(n) >= prompt

@@ -31,7 +31,7 @@ from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, gra
 from realtime_rl.environments.grading import GradeCache
 from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.environments.policies import task_seed
-from realtime_rl.environments.synthetic import SyntheticTask, split_size
+from realtime_rl.environments.synthetic import SyntheticTask, holds_heldout_part, pick, split_size
 from realtime_rl.model import load_checkpoint
 from realtime_rl.types import Episode
 
@@ -51,9 +51,15 @@ class GroupJob:
 
 def job_task(job: GroupJob, rollout: RolloutConfig) -> SyntheticTask:
     """The synthetic task of a group: task_index of rollout.split at the job's difficulty, wrapping around
-    past the end of that pool."""
-    index = job.task_index % split_size(rollout.split, job.difficulty)
-    return generate_task(index, rollout.split, rollout.task_seed, difficulty=job.difficulty)
+    past the end of that pool. A task whose structure holds a held-out structure as consecutive stages
+    (difficulty 3 and up: `filter:gt -> map:mul -> reduce:sum` holding a held-out `filter:gt -> map:mul`)
+    would train the held-out pair that evaluation measures, so the next task that holds none is drawn instead."""
+    size = split_size(rollout.split, job.difficulty)
+    for step in range(size):
+        index = (job.task_index + step) % size
+        if not holds_heldout_part(pick(index, rollout.split, rollout.task_seed, job.difficulty).ops):
+            return generate_task(index, rollout.split, rollout.task_seed, difficulty=job.difficulty)
+    raise ValueError(f"every {rollout.split} task of difficulty {job.difficulty} holds a held-out structure")
 
 
 class _LatentPolicy:
