@@ -164,6 +164,26 @@ def test_http_publish_commits_only_the_blobs_it_uploaded(http_store, tmp_path):
     assert r.status_code == 400 and "snapshot" in r.json()["detail"] and 6 not in store.versions()
 
 
+def test_staging_of_abandoned_publishes_is_removed_after_its_ttl(tmp_path):
+    """A publisher that died before its commit, or never published that version again, left staging that no
+    commit of its version will drop: an upload or commit removes what was not written to for upload_ttl_s."""
+    store = FilesystemTransport(tmp_path)
+    client = TestClient(create_weights_app(store, write_token="s3cret", upload_ttl_s=600))
+    writer = {"Authorization": "Bearer s3cret"}
+    for version, upload in ((3, "a" * 32), (4, "b" * 32)):
+        r = client.put(f"/weights/{version}/delta", params={"upload": upload}, content=b"x", headers=writer)
+        assert r.status_code == 204
+    abandoned, recent = tmp_path / f".upload-{3:010d}-{'a' * 32}", tmp_path / f".upload-{4:010d}-{'b' * 32}"
+    hour_ago = time.time() - 3600
+    for path in (abandoned, *abandoned.iterdir()):
+        os.utime(path, (hour_ago, hour_ago))
+    HttpTransport(client=client, token="s3cret").publish(7, {"delta": b"d"})
+    assert not abandoned.exists() and recent.is_dir()   # the other attempt may still commit
+    assert store.versions() == {7: ["delta"]}
+    r = client.post("/weights/4/commit", json={"upload": "b" * 32, "kinds": ["delta"]}, headers=writer)
+    assert r.status_code == 201 and store.versions() == {4: ["delta"], 7: ["delta"]}
+
+
 def test_a_blob_pruned_as_it_is_served_is_a_404_or_comes_whole(tmp_path, monkeypatch):
     """The publisher prunes old versions while subscribers download them: a blob gone when the server opens it
     is a 404 (MissingBlob), one pruned after that still arrives whole; never a 500 or a body cut short."""

@@ -14,7 +14,9 @@ Server (mount it in the gateway or the registry, or run it alone):
 
 Without a write token the store is read-only over HTTP (writes answer 403). Each publish uploads under a
 fresh ID, so blobs that an aborted attempt left in staging are never committed with a later one; the
-commit deletes every staging folder of its version. A version that exists answers 409.
+commit deletes every staging folder of its version, and each upload or commit deletes any staging folder
+untouched for `upload_ttl_s` (attempts whose publisher died or never published that version again). A version
+that exists answers 409.
 
 Client: `HttpTransport("http://host:8000", timeout_s=30)`; every request carries the timeout (also on an
 injected client, whose timeout it sets) and a
@@ -30,6 +32,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Annotated, BinaryIO, Literal
 
 import httpx
@@ -59,7 +62,12 @@ class CommitCreate(BaseModel):
     """The blobs that make up the version; each must have been uploaded, and only these are published."""
 
 
-def weights_router(store: FilesystemTransport, write_token: str | None = None) -> APIRouter:
+UPLOAD_TTL_S = 3600.0
+"""A staging folder nothing was written to for this long belongs to an abandoned publish attempt."""
+
+
+def weights_router(store: FilesystemTransport, write_token: str | None = None,
+                   upload_ttl_s: float = UPLOAD_TTL_S) -> APIRouter:
     router = APIRouter(prefix="/weights", tags=["weights"])
 
     def require_writer(authorization: Annotated[str | None, Header()] = None) -> None:
@@ -77,6 +85,12 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
     def drop_uploads(version: int) -> None:
         for folder in store.root.glob(f".upload-{version:010d}-*"):
             shutil.rmtree(folder, ignore_errors=True)
+
+    def drop_abandoned_uploads(keep: Path) -> None:
+        cutoff = time.time() - upload_ttl_s
+        for folder in store.root.glob(".upload-*"):
+            if folder != keep and last_written(folder) < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
 
     @router.get("/versions")
     def versions() -> VersionsPublic:
@@ -113,6 +127,7 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
         if store.version_dir(version).exists():
             raise HTTPException(409, f"version {version} is already published")
         folder = upload_dir(version, upload)
+        drop_abandoned_uploads(keep=folder)
         folder.mkdir(exist_ok=True)
         with open(folder / f"{kind}{SUFFIX}.part", "wb") as f:
             async for chunk in request.stream():
@@ -125,6 +140,7 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
             drop_uploads(version)
             raise HTTPException(409, f"version {version} is already published")
         folder = upload_dir(version, body.upload)
+        drop_abandoned_uploads(keep=folder)
         named = {f"{kind}{SUFFIX}" for kind in body.kinds}
         missing = sorted(named - {p.name for p in folder.glob(f"*{SUFFIX}")})
         if missing:
@@ -149,6 +165,15 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None) -
     return router
 
 
+def last_written(folder: Path) -> float:
+    """The newest modification time of a folder and the files in it (a blob being uploaded keeps its .part
+    file's time moving); +inf when the folder is gone, so that a concurrent removal is not raced."""
+    try:
+        return max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
+    except FileNotFoundError:
+        return float("inf")
+
+
 def read_span(f: BinaryIO, start: int, end: int, chunk_size: int = 1 << 20) -> Iterator[bytes]:
     """Bytes [start, end) of an open file, in chunks; closes it."""
     with f:
@@ -161,9 +186,10 @@ def read_span(f: BinaryIO, start: int, end: int, chunk_size: int = 1 << 20) -> I
             yield chunk
 
 
-def create_weights_app(store: FilesystemTransport, write_token: str | None = None) -> FastAPI:
+def create_weights_app(store: FilesystemTransport, write_token: str | None = None,
+                       upload_ttl_s: float = UPLOAD_TTL_S) -> FastAPI:
     app = FastAPI(title="realtime-rl weights")
-    app.include_router(weights_router(store, write_token))
+    app.include_router(weights_router(store, write_token, upload_ttl_s))
     return app
 
 
