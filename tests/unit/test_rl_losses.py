@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from realtime_rl.train import LossConfig, group_advantages, k3, pass_at_k_advantages, policy_loss
-from realtime_rl.train.losses import length_normalized
+from realtime_rl.train.losses import KL_ESTIMATORS, length_normalized
 
 
 def test_group_advantages_mean_and_leave_one_out():
@@ -145,6 +145,28 @@ def test_kl_to_reference_pulls_back():
     loss.backward()
     assert sums["kl_ref"] > 0
     assert x.grad[0] > 0 and x.grad[1] < 0  # descent lowers the token the reference likes less
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k2"])
+def test_each_kl_estimator_descends_the_divergence_it_names(estimator):
+    """On the policy's own tokens (sampled, not differentiated through), the k3 term's expected gradient is
+    that of KL(ref || policy), the k2 term's that of KL(policy || ref): exact over a 5-token distribution."""
+    logits = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.5, -0.5, 0.2, 0.0], dtype=torch.float64), -1)
+    logp = torch.log_softmax(logits, -1)
+    cfg = LossConfig(kl_coef=1.0, kl_estimator=estimator)
+    loss, sums = policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(5), 1, cfg, ref)
+    expected_grad, = torch.autograd.grad(  # the expectation: each token's term weighted by its probability
+        (logp.exp().detach() * KL_ESTIMATORS[estimator](logp, ref)).sum(), logits, retain_graph=True)
+    p, q = logp.exp(), ref.exp()
+    divergence = (q * (ref - logp)).sum() if estimator == "k3" else (p * (logp - ref)).sum()
+    true_grad, = torch.autograd.grad(divergence, logits, retain_graph=True)
+    torch.testing.assert_close(expected_grad, true_grad)
+    other = (p * (logp - ref)).sum() if estimator == "k3" else (q * (ref - logp)).sum()
+    assert not torch.allclose(torch.autograd.grad(other, logits, retain_graph=True)[0], true_grad, atol=1e-3)
+    term, = torch.autograd.grad(loss, logits, retain_graph=True)  # policy_loss uses the estimator asked for
+    torch.testing.assert_close(term, torch.autograd.grad(KL_ESTIMATORS[estimator](logp, ref).sum(), logits)[0])
+    torch.testing.assert_close(sums["kl_ref"], k3(logp, ref).sum().detach())  # the logged value: k3 either way
 
 
 @pytest.mark.parametrize("coef", [-0.5, 0.5])

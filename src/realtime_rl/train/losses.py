@@ -12,8 +12,15 @@ Three policies meet in one token t of a generated segment (all logprobs of the s
                 masked out entirely (IcePop): a token that far off-policy carries noise, not signal
     ratio_t   = exp(new_t - prox_t)     the PPO ratio, clipped to [1 - clip_low, 1 + clip_high]
 
-    loss = -sum_t is_t * min(ratio_t * A_t, clip(ratio_t) * A_t) / num_tokens + kl_coef * k3(new, ref)
+    loss = -sum_t is_t * min(ratio_t * A_t, clip(ratio_t) * A_t) / num_tokens + kl_coef * kl(new, ref)
            - entropy_coef * H_t / num_tokens       (H_t: the new policy's entropy at t; masked as IcePop masks)
+
+The KL term is a per-token function of d = ref_t - new_t on the policy's own tokens, and which divergence
+its gradient descends depends on the function, not on what its value estimates (Tang & Munos 2025). k3 =
+exp(d) - 1 - d (GRPO's, verl's "low_var_kl", the default) has the expected gradient of KL(ref || new), the
+forward, mass-covering direction: it pulls probability back onto tokens the reference likes and the policy
+left. k2 = d^2 / 2 has the expected gradient of KL(new || ref), the reverse direction. The logged `kl_ref`
+is the k3 value either way: an estimate of KL(new || ref).
 
 Aggregation is token-level (every trained token of the step weighs the same, DAPO), the divisor being
 the generated-token count of the step's episodes with a non-zero advantage (rl.py runs only those: the
@@ -120,9 +127,19 @@ def length_normalized(adv_E: torch.Tensor, tokens_E: torch.Tensor) -> torch.Tens
 
 def k3(logp_sample: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(sample || other) per token, from tokens drawn from `sample`:
-    exp(d) - 1 - d with d = logp_other - logp_sample. Non-negative, unbiased, low variance."""
+    exp(d) - 1 - d with d = logp_other - logp_sample. Non-negative, unbiased, low variance. As a loss
+    term its expected gradient with respect to logp_sample is that of KL(other || sample) (module docstring)."""
     d = logp_other - logp_sample
     return torch.expm1(d) - d
+
+
+def k2(logp_sample: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
+    """d^2 / 2 with d = logp_other - logp_sample per token: as a loss term on tokens drawn from `sample`,
+    its expected gradient is that of KL(sample || other)."""
+    return 0.5 * (logp_other - logp_sample) ** 2
+
+
+KL_ESTIMATORS = {"k3": k3, "k2": k2}
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,7 @@ class LossConfig:
     icepop_high: float = 2.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    kl_estimator: str = "k3"
 
 
 def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor, adv_N: torch.Tensor,
@@ -156,8 +174,9 @@ def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor
     loss = -(weight_N * surrogate_N).sum() / num_tokens
     kl_sum = torch.zeros((), device=new_N.device)
     if ref_N is not None and cfg.kl_coef > 0:
-        kl_N = k3(new_N, ref_N.detach())  # tokens were drawn (approximately) from the current policy
-        kl_sum = (kl_N.detach() * keep_N).sum()  # the metrics count the tokens the loss counts
+        ref_N = ref_N.detach()  # tokens were drawn (approximately) from the current policy
+        kl_N = KL_ESTIMATORS[cfg.kl_estimator](new_N, ref_N)
+        kl_sum = (k3(new_N.detach(), ref_N) * keep_N).sum()  # the metrics count the tokens the loss counts
         loss = loss + cfg.kl_coef * (kl_N * keep_N).sum() / num_tokens
     if cfg.entropy_coef:
         if entropy_N is None:

@@ -132,7 +132,8 @@ class RLTrainer:
             for group, decay_rate in zip(self.optimizer.param_groups, (config.weight_decay, 0.0)):
                 group["betas"], group["weight_decay"] = tuple(config.betas), decay_rate
         self.loss_config = LossConfig(config.clip_low, config.clip_high, config.tis_cap, config.icepop_low,
-                                      config.icepop_high, config.kl_coef, config.entropy_coef)
+                                      config.icepop_high, config.kl_coef, config.entropy_coef,
+                                      config.kl_estimator)
         kind = "cpu" if self.device.type == "cpu" else "gpu"
         self.micro_batch_tokens = (MICRO_BATCH_TOKENS[kind] if config.micro_batch_tokens is None
                                    else config.micro_batch_tokens)
