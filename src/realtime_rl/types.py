@@ -113,6 +113,9 @@ class Segment:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"a segment's temperature must be finite and >= 0, got {self.temperature}")
+        if getattr(self.loss_mask, "dtype", None) != np.bool_:  # an integer array indexes positions, not tokens
+            raise ValueError(f"a segment's loss_mask must be a numpy bool array, got "
+                             f"{getattr(self.loss_mask, 'dtype', type(self.loss_mask).__name__)}")
         n = len(self.token_ids)
         assert len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n, "segment arrays disagree"
         assert self.routing is None or len(self.routing) == n, "routing length differs from token_ids"

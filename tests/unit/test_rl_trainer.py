@@ -771,3 +771,18 @@ def test_shared_inputs_of_one_token_prompts_and_of_routings_that_differ():
 def test_a_segment_whose_first_token_is_generated_is_refused():
     with pytest.raises(ValueError, match="first token cannot be generated"):
         _segment([1, 2, 3], 0, np.zeros((3, 2, 2), dtype=np.uint8))
+
+
+def test_a_segment_whose_loss_mask_is_not_boolean_is_refused():
+    """An integer mask would index positions: the trainer would train tokens 0 and 1 over and over, and the
+    buffer would measure staleness on context tokens and drop the group as stale."""
+    seg = _segment([7, 8, 9, 1, 2], 3, np.zeros((5, 2, 2), dtype=np.uint8))
+    for mask in (seg.loss_mask.astype(np.int64), seg.loss_mask.astype(np.float32), seg.loss_mask.tolist()):
+        with pytest.raises(ValueError, match="loss_mask must be a numpy bool array"):
+            Segment(seg.token_ids, mask, seg.logprobs, seg.versions, seg.routing)
+    episode = Episode("e", "t", [seg], "submit", 1, 1, 0, 0)
+    blob = episode_to_bytes(episode)
+    assert episode_from_bytes(blob).segments[0].loss_mask.dtype == np.bool_
+    seg.loss_mask = seg.loss_mask.astype(np.int8)  # what a foreign writer could serialize
+    with pytest.raises(ValueError, match="not a serialized episode: a segment's loss_mask"):
+        episode_from_bytes(episode_to_bytes(episode))
