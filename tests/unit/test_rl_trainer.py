@@ -472,6 +472,10 @@ def test_bad_episodes_and_settings_are_refused_before_any_weight_changes(tmp_pat
     # micro-batch on the trainer's own routing, silently.
     refused(lambda es: [setattr(e.segments[0], "routing", None) for e in es[1::2]], "no recorded routing")
     refused(lambda es: setattr(es[2].segments[0], "temperature", 0.0), "decoded greedily")
+    # Routing of another model's shape (one MoE layer or expert slot short) passed, logged, then failed inside
+    # every step a resume retried.
+    refused(lambda es: setattr(es[4].segments[0], "routing", es[4].segments[0].routing[:, :, :1]), "not \\[tokens")
+    refused(lambda es: setattr(es[4].segments[0], "routing", es[4].segments[0].routing[:, :1]), "MoE layers")
     assert trainer.version == 0 and all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
     with pytest.raises(ValueError, match="needs a reference model"):
         RLTrainer(_model(), None, RLConfig(kl_coef=0.1), tmp_path / "kl")

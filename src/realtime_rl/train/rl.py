@@ -210,7 +210,10 @@ class RLTrainer:
             if any(s.routing is None for s in trained):
                 return ("router replay is on but a segment has no recorded routing "
                         "(rl.router_replay = false trains on the trainer's own routing)")
-            E = self.model.config.num_experts
+            E, k = self.model.config.num_experts, self.model.config.num_experts_per_tok
+            shape = (self.model.num_moe_layers, k)
+            if any(s.routing.ndim != 3 or s.routing.shape[1:] != shape for s in trained):
+                return f"a segment's recorded routing is not [tokens, {shape[0]} MoE layers, top-{k}] as this model's"
             if any(s.routing.size and (s.routing.min() < 0 or s.routing.max() >= E) for s in trained):
                 return f"a segment's recorded routing names an expert outside 0..{E - 1}"
         return None
