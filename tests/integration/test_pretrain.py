@@ -106,8 +106,12 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, processes):
     while any(_running(pid) for pid in workers):  # the others exit with it
         assert time.monotonic() < deadline, "a data-parallel process outlived process 0"
         time.sleep(0.1)
+    for cut_short in (".ckpt-x1", ".corpus-x2"):  # what a kill during a save leaves: a whole copy each
+        (killed / cut_short).mkdir()
+        (killed / cut_short / "model.safetensors").write_bytes(b"\0" * 1024)
     pretrain(tiny(killed, **long), show_progress=False)  # resumes from its newest checkpoint
     assert not list(killed.glob(".group-*")), "the killed run's rendezvous is cleared"
+    assert not list(killed.glob(".ckpt-*")) and not list(killed.glob(".corpus-*")), "cut-short saves are removed"
 
     a = load_file(whole / "checkpoints" / "step-0000024" / "model.safetensors")
     b = load_file(killed / "checkpoints" / "step-0000024" / "model.safetensors")
@@ -163,6 +167,24 @@ def test_ensure_base_model_reuses_a_model_built_from_the_same_config(tmp_path):
     resumed = ensure_base_model(shorter.model_copy(update={"resume": True}), show_progress=False)
     assert resumed.name == "step-0000003"
     assert ensure_base_model(config, show_progress=False) == first
+
+
+def test_a_second_build_into_the_same_run_dir_waits_or_is_refused(tmp_path):
+    """Two processes needing the default base model at once (a demo and `rtrl train` on a fresh machine):
+    `ensure_base_model` waits for the one building it and uses its model; a second `rtrl pretrain` is refused
+    at once. Without the lock the second crashed on the first's corpus (Directory not empty)."""
+    config = tiny(tmp_path, steps=8, checkpoint_every=4)
+    proc = subprocess.Popen(_cli(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(tmp_path / ".lock", proc)
+    time.sleep(0.5)  # the CLI holds the lock from before the corpus build
+    assert proc.poll() is None, "the build ended before the second process came"
+    with pytest.raises(ValueError, match="in use by another `rtrl pretrain`"):
+        pretrain(config, show_progress=False)
+    final = ensure_base_model(config, show_progress=False)
+    assert proc.wait(60) == 0
+    assert final == tmp_path / "checkpoints" / "step-0000008"
+    built = json.loads((final / "pretrain.json").read_text())
+    assert built["step"] == 8 and len(list(tmp_path.glob("corpus-*"))) == 1
 
 
 def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from realtime_rl.model import Qwen3ForCausalLM, load_checkpoint, save_checkpoint
+from realtime_rl.train.run_dir import remove_staging
 from tests.conftest import tiny_config
 
 
@@ -108,7 +109,7 @@ def test_a_published_directory_replaces_the_old_one_whole(tmp_path, monkeypatch)
     from realtime_rl.model.checkpoint import publish_directory
 
     def staged(text: str) -> Path:
-        staging = tmp_path / f".staging-{text}"
+        staging = tmp_path / f".ckpt-{text}"  # as the trainers stage their saves
         staging.mkdir()
         (staging / "a.txt").write_text(text)
         (staging / "b.txt").write_text(text)
@@ -132,5 +133,10 @@ def test_a_published_directory_replaces_the_old_one_whole(tmp_path, monkeypatch)
     monkeypatch.setattr(os, "replace", crash_on_second)
     with pytest.raises(OSError, match="killed"):
         publish_directory(staged("newer"), final)
-    aside = next(tmp_path.glob(".old-*")) / final.name
+    aside = next(final.parent.glob(".old-*")) / final.name
     assert not final.exists() and {p.read_text() for p in aside.iterdir()} == {"new"}
+    monkeypatch.setattr(os, "replace", replace)
+    remove_staging(tmp_path, final.parent)  # the next holder of the run_dir puts it back, drops the staging
+    assert {p.read_text() for p in final.iterdir()} == {"new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+    assert [p.name for p in final.parent.iterdir()] == [final.name]

@@ -250,7 +250,7 @@ def publish_directory(staging: Path, final: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     old = None
     if final.exists():
-        old = Path(tempfile.mkdtemp(dir=staging.parent, prefix=f".old-{final.name}-"))
+        old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".old-{final.name}-"))
         os.replace(final, old / final.name)
     os.replace(staging, final)
     fsync_path(final.parent)

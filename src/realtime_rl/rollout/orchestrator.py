@@ -20,7 +20,6 @@ token keeps its own) while the trainer trains.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.rollout.base import RolloutBackend
 from realtime_rl.rollout.buffer import StalenessBuffer, TrajectoryLog
 from realtime_rl.rollout.worker import GroupJob, new_group_id
-from realtime_rl.train import RLTrainer
+from realtime_rl.train import RLTrainer, remove_staging, run_dir_lock
 from realtime_rl.types import Episode
 
 POLL_S = 0.5
@@ -73,12 +72,8 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     """Train until config.steps or config.max_minutes; one run at a time per run_dir (a second would resume from the
     same checkpoint and train the logged groups again)."""
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / ".lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or the process ends
-        except BlockingIOError:
-            raise ValueError(f"{run_dir} is in use by another `rtrl train` (it holds {run_dir / '.lock'})") from None
+    with run_dir_lock(run_dir, "`rtrl train`"):
+        remove_staging(run_dir, run_dir / "checkpoints")  # a checkpoint save that a kill cut short
         return _train(config, run_dir, show_progress)
 
 

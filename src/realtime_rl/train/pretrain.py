@@ -52,6 +52,7 @@ from realtime_rl.train.corpus import (
     make_tasks, shared_prefix_length, task_picks, tokenizer_texts,
 )
 from realtime_rl.train.data_parallel import process_group, remove_stale_groups, same_start, share, sum_gradients
+from realtime_rl.train.run_dir import remove_staging, run_dir_lock
 from realtime_rl.train.packing import cheapest_cut
 from realtime_rl.train.schedule import warmup_cosine
 
@@ -319,10 +320,22 @@ def _process_main(rank: int, world: int, threads: int, config: PretrainConfig, r
     _train(config, tokenizer, docs, resume_from, rank, world)
 
 
+BASE_MODEL_WAIT_S = 3 * 3600.0
+"""How long `ensure_base_model` waits for another process building into the same run_dir (the default base
+model takes 10-16 minutes on 2 cores; a larger recipe on a slow machine far longer)."""
+
+
 def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, Any]:
+    """Build (or resume) config's model under run_dir; one process at a time per run_dir (ValueError when
+    another holds it)."""
+    with run_dir_lock(config.run_dir, "`rtrl pretrain`"):
+        return _pretrain_locked(config, show_progress)
+
+
+def _pretrain_locked(config: PretrainConfig, show_progress: bool) -> dict[str, Any]:
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_groups(run_dir)
+    remove_staging(run_dir, run_dir / "checkpoints")  # a checkpoint or corpus that a kill cut short
     world, threads = processes_for(config)
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -355,4 +368,9 @@ def ensure_base_model(config: PretrainConfig, show_progress: bool = True) -> Pat
     final = Path(config.run_dir) / "checkpoints" / f"step-{config.steps:07d}"
     if final.is_dir() and _built_by(final) == config_hash(config):
         return final
-    return Path(pretrain(config, show_progress)["checkpoint"])
+    # Another process may be building it (two `rtrl train` runs, or a demo, started on a fresh machine):
+    # wait for it, then use what it built.
+    with run_dir_lock(config.run_dir, "`rtrl pretrain`", wait_s=BASE_MODEL_WAIT_S):
+        if final.is_dir() and _built_by(final) == config_hash(config):
+            return final
+        return Path(_pretrain_locked(config, show_progress)["checkpoint"])
