@@ -136,14 +136,14 @@ class _Held(LocalBackend):
     def __init__(self, *args, swallow: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.swallow, self.held = swallow, []
-        self.submitted: list[int] = []
+        self.submitted: list[tuple[int, int]] = []  # (difficulty, task index)
 
     @property
     def in_flight(self) -> int:
         return super().in_flight + len(self.held)
 
     def submit(self, job) -> None:
-        self.submitted.append(job.task_index)
+        self.submitted.append((job.difficulty, job.task_index))
         super().submit(job)
 
     def poll(self, timeout_s: float) -> list[list[Episode]]:
@@ -213,7 +213,8 @@ def test_a_resumed_run_hands_out_no_task_twice(tmp_path, tiny_checkpoint, monkey
     train(_config(tmp_path / "run", tiny_checkpoint, steps=4, max_staleness=2), show_progress=False)
     first, second = backends[0].submitted, backends[1].submitted
     assert len(first) == len(set(first)) and len(second) == len(set(second))
-    assert min(second) > max(first), (first, second)
+    for d in {d for d, _ in first}:  # a difficulty's tasks are consecutive indices: the resumed run's come after
+        assert min(i for dd, i in second if dd == d) > max(i for dd, i in first if dd == d), (first, second)
     assert TrajectoryLog(tmp_path / "run" / "trajectories").tasks_handed_out() == len(first) + len(second)
 
 

@@ -751,6 +751,7 @@ def test_a_rollout_never_trains_a_held_out_structure_as_part_of_a_longer_one():
         task = job_task(GroupJob("g", i, 3, 8, 0, 0), RolloutConfig(max_difficulty=3))
         assert task.metadata["difficulty"] == 3
         assert not holds_heldout_part(ops_of[task.metadata["structure"]])
+        assert task.metadata["index"] not in range(i, i + 1000)  # not a task the next groups get
 
 
 def _segment(tokens: list[int], prompt: int, routing: np.ndarray) -> Segment:
@@ -790,3 +791,18 @@ def test_a_segment_whose_loss_mask_is_not_boolean_is_refused():
     seg.loss_mask = seg.loss_mask.astype(np.int8)  # what a foreign writer could serialize
     with pytest.raises(ValueError, match="not a serialized episode: a segment's loss_mask"):
         episode_from_bytes(episode_to_bytes(episode))
+
+
+def test_each_difficulty_draws_consecutive_tasks_from_every_input_type():
+    """Three difficulties in turn once gave each difficulty every third task index, and the index space deals its
+    input-type pools in turn: every difficulty-3 task took lists of integers."""
+    from realtime_rl.config import RolloutConfig
+    from realtime_rl.environments.synthetic import pick
+    from realtime_rl.rollout.orchestrator import task_difficulty, task_index
+
+    rollout = RolloutConfig(min_difficulty=1, max_difficulty=3)
+    jobs = [(task_difficulty(k, rollout), task_index(k, rollout)) for k in range(60)]
+    assert len(set(jobs)) == 60
+    assert [i for d, i in jobs if d == 3] == list(range(rollout.first_task, rollout.first_task + 20))
+    takes = {pick(i, "train", 0, 3).ops[0].takes for d, i in jobs if d == 3}
+    assert len(takes) == 3, takes

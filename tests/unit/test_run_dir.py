@@ -68,3 +68,15 @@ def test_staging_is_removed_and_a_directory_moved_aside_is_put_back(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
     assert sorted(p.name for p in published.iterdir()) == ["v-0000001", "v-0000002"]
     assert len(removed) == 4
+
+
+def test_a_directory_moved_aside_by_the_older_publisher_is_put_back_too(tmp_path):
+    """Before 1235a1f publish_directory moved the old directory aside into run_dir, not beside it."""
+    published = tmp_path / "checkpoints"
+    published.mkdir()
+    legacy = tmp_path / ".old-v-0000003-xyz" / "v-0000003"
+    legacy.mkdir(parents=True)
+    (legacy / "weights").write_text("three")
+    remove_staging(tmp_path, published)
+    assert (published / "v-0000003" / "weights").read_text() == "three"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]

@@ -170,9 +170,10 @@ class RLConfig(StrictModel):
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the KL term to the reference (initial) policy; 0 skips the reference forward."""
     kl_estimator: Literal["k3", "k2"] = "k3"
-    """The KL term's per-token function of d = ref - new (train/losses.py): k3 = exp(d) - 1 - d descends
-    KL(ref || policy) in expectation (GRPO's, verl's low_var_kl), k2 = d^2 / 2 descends KL(policy || ref).
-    The logged train/kl_ref is k3's value, an estimate of KL(policy || ref), with either."""
+    """The KL term's per-token function of d = ref - new (train/losses.py): at each position, given the sampled
+    context, k3 = exp(d) - 1 - d descends KL(ref || policy) in expectation (GRPO's, verl's low_var_kl) and
+    k2 = d^2 / 2 descends KL(policy || ref). The logged train/kl_ref is k3's value, an estimate of
+    KL(policy || ref), with either."""
     entropy_coef: float = Field(0.0, ge=-1.0, le=1.0)
     """Weight of the policy's mean token entropy in the objective (verl's entropy_coeff): positive keeps
     exploring, negative sharpens the policy toward its own most likely choices (entropy minimisation). When

@@ -58,6 +58,13 @@ def task_difficulty(k: int, rollout: RolloutConfig) -> int:
     return rollout.min_difficulty + k % (rollout.max_difficulty - rollout.min_difficulty + 1)
 
 
+def task_index(k: int, rollout: RolloutConfig) -> int:
+    """The task index of the run's k-th group within its difficulty: consecutive per difficulty, from first_task.
+    The index space deals a difficulty's input-type pools (ints, nat, text) in turn, so with three difficulties in
+    turn a shared counter gave one difficulty every third index: all its tasks from one pool."""
+    return rollout.first_task + k // (rollout.max_difficulty - rollout.min_difficulty + 1)
+
+
 def resolve_base(config: TrainConfig) -> Path:
     if config.base_checkpoint is not None:
         if not (Path(config.base_checkpoint) / "config.json").is_file():
@@ -131,7 +138,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
                 if config.max_minutes and (time.perf_counter() - t_start) / 60 >= config.max_minutes:
                     break
                 while backend.in_flight < backend.capacity and buffer.may_start(trainer.version):
-                    job = GroupJob(new_group_id(), config.rollout.first_task + next_task,
+                    job = GroupJob(new_group_id(), task_index(next_task, config.rollout),
                                    task_difficulty(next_task, config.rollout), size,
                                    config.seed * 1_000_003 + next_task, trainer.version)
                     next_task += 1

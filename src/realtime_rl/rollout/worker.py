@@ -49,14 +49,20 @@ class GroupJob:
     """The trainer's version when the orchestrator admitted the group (for staleness accounting)."""
 
 
+HOLDING_STRIDE = 1_000_003
+"""How far job_task moves past a task that holds a held-out part: past the tasks of any run's groups."""
+
+
 def job_task(job: GroupJob, rollout: RolloutConfig) -> SyntheticTask:
     """The synthetic task of a group: task_index of rollout.split at the job's difficulty, wrapping around
     past the end of that pool. A task whose structure holds a held-out structure as consecutive stages
     (difficulty 3 and up: `filter:gt -> map:mul -> reduce:sum` holding a held-out `filter:gt -> map:mul`)
-    would train the held-out pair that evaluation measures, so the next task that holds none is drawn instead."""
+    would train the held-out pair that evaluation measures, so another task is drawn instead, HOLDING_STRIDE
+    indices on: far from the indices the next groups get (the next index is the next group's task). Such
+    structures are most often of integer lists, so the input types of difficulty 3 and up shift a little."""
     size = split_size(rollout.split, job.difficulty)
     for step in range(size):
-        index = (job.task_index + step) % size
+        index = (job.task_index + step * HOLDING_STRIDE) % size
         if not holds_heldout_part(pick(index, rollout.split, rollout.task_seed, job.difficulty).ops):
             return generate_task(index, rollout.split, rollout.task_seed, difficulty=job.difficulty)
     raise ValueError(f"every {rollout.split} task of difficulty {job.difficulty} holds a held-out structure")

@@ -16,11 +16,13 @@ Three policies meet in one token t of a generated segment (all logprobs of the s
            - entropy_coef * H_t / num_tokens       (H_t: the new policy's entropy at t; masked as IcePop masks)
 
 The KL term is a per-token function of d = ref_t - new_t on the policy's own tokens, and which divergence
-its gradient descends depends on the function, not on what its value estimates (Tang & Munos 2025). k3 =
-exp(d) - 1 - d (GRPO's, verl's "low_var_kl", the default) has the expected gradient of KL(ref || new), the
-forward, mass-covering direction: it pulls probability back onto tokens the reference likes and the policy
-left. k2 = d^2 / 2 has the expected gradient of KL(new || ref), the reverse direction. The logged `kl_ref`
-is the k3 value either way: an estimate of KL(new || ref).
+its gradient descends depends on the function, not on what its value estimates (Tang & Munos 2025). At each
+position, given the sampled context, k3 = exp(d) - 1 - d (GRPO's, verl's "low_var_kl", the default) has the
+expected gradient of KL(ref || new) over the next token, the forward, mass-covering direction: it pulls
+probability back onto tokens the reference likes and the policy left; k2 = d^2 / 2 has that of KL(new || ref),
+the reverse. Neither is the gradient of the sequence-level KL, which would also move earlier tokens for the
+contexts they lead to (the future log-ratios, as a reward-to-go). The logged `kl_ref` is the k3 value either
+way: an estimate of the sequence-level KL(new || ref), per token.
 
 Aggregation is token-level (every trained token of the step weighs the same, DAPO), the divisor being
 the generated-token count of the step's episodes with a non-zero advantage (rl.py runs only those: the
@@ -128,14 +130,15 @@ def length_normalized(adv_E: torch.Tensor, tokens_E: torch.Tensor) -> torch.Tens
 def k3(logp_sample: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(sample || other) per token, from tokens drawn from `sample`:
     exp(d) - 1 - d with d = logp_other - logp_sample. Non-negative, unbiased, low variance. As a loss
-    term its expected gradient with respect to logp_sample is that of KL(other || sample) (module docstring)."""
+    term its expected gradient with respect to logp_sample is that of KL(other || sample) at each position,
+    given the context (module docstring)."""
     d = logp_other - logp_sample
     return torch.expm1(d) - d
 
 
 def k2(logp_sample: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
     """d^2 / 2 with d = logp_other - logp_sample per token: as a loss term on tokens drawn from `sample`,
-    its expected gradient is that of KL(sample || other)."""
+    its expected gradient is that of KL(sample || other) at each position, given the context."""
     return 0.5 * (logp_other - logp_sample) ** 2
 
 

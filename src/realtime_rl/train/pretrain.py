@@ -368,7 +368,7 @@ def ensure_base_model(config: PretrainConfig, show_progress: bool = True) -> Pat
     final = Path(config.run_dir) / "checkpoints" / f"step-{config.steps:07d}"
     if final.is_dir() and _built_by(final) == config_hash(config):
         return final
-    # Another process may be building it (two `rtrl train` runs, or a demo, started on a fresh machine):
+    # Another process may be building it (two `rtrl train` runs started together on a fresh machine):
     # wait for it, then use what it built.
     with run_dir_lock(config.run_dir, "`rtrl pretrain`", wait_s=BASE_MODEL_WAIT_S):
         if final.is_dir() and _built_by(final) == config_hash(config):

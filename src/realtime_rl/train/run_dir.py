@@ -53,7 +53,8 @@ def remove_staging(run_dir: str | Path, published: str | Path | None = None) -> 
     publish_directory's two renames, and it is the one whole copy under that name."""
     removed = []
     if published is not None and Path(published).is_dir():
-        for old in Path(published).glob(".old-*"):
+        # Before 1235a1f publish_directory moved the old directory aside into run_dir itself.
+        for old in [*Path(published).glob(".old-*"), *Path(run_dir).glob(".old-*")]:
             for kept in (p for p in old.iterdir() if p.is_dir()):
                 if not (Path(published) / kept.name).exists():
                     os.replace(kept, Path(published) / kept.name)
