@@ -136,7 +136,7 @@ def test_a_published_directory_replaces_the_old_one_whole(tmp_path, monkeypatch)
     aside = next(final.parent.glob(".old-*")) / final.name
     assert not final.exists() and {p.read_text() for p in aside.iterdir()} == {"new"}
     monkeypatch.setattr(os, "replace", replace)
-    remove_staging(tmp_path, final.parent)  # the next holder of the run_dir puts it back, drops the staging
+    remove_staging(tmp_path)  # the next holder of the run_dir puts it back, drops the staging
     assert {p.read_text() for p in final.iterdir()} == {"new"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
     assert [p.name for p in final.parent.iterdir()] == [final.name]

@@ -62,7 +62,7 @@ def test_staging_is_removed_and_a_directory_moved_aside_is_put_back(tmp_path):
     (stale_old / "v-0000001").mkdir(parents=True)
     (stale_old / "v-0000001" / "weights").write_text("one, before")
 
-    removed = remove_staging(tmp_path, published)
+    removed = remove_staging(tmp_path)
     assert (published / "v-0000002" / "weights").read_text() == "two"
     assert (published / "v-0000001" / "weights").read_text() == "one"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
@@ -77,6 +77,6 @@ def test_a_directory_moved_aside_by_the_older_publisher_is_put_back_too(tmp_path
     legacy = tmp_path / ".old-v-0000003-xyz" / "v-0000003"
     legacy.mkdir(parents=True)
     (legacy / "weights").write_text("three")
-    remove_staging(tmp_path, published)
+    remove_staging(tmp_path)
     assert (published / "v-0000003" / "weights").read_text() == "three"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]

@@ -80,7 +80,7 @@ def train(config: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     same checkpoint and train the logged groups again)."""
     run_dir = Path(config.run_dir)
     with run_dir_lock(run_dir, "`rtrl train`"):
-        remove_staging(run_dir, run_dir / "checkpoints")  # a checkpoint save that a kill cut short
+        remove_staging(run_dir)  # a checkpoint save that a kill cut short
         return _train(config, run_dir, show_progress)
 
 

@@ -5,7 +5,7 @@ Public API:
     pretrain(PretrainConfig()) -> summary;  ensure_base_model(PretrainConfig()) -> checkpoint dir
     RLTrainer.open(run_dir, base_checkpoint, RLConfig()); trainer.step(episodes); trainer.save()
     traffic_episodes([(completion_record, choice_index, reward), ...]) -> episodes   # served traffic, exactly
-    with run_dir_lock(run_dir, "`rtrl train`"): remove_staging(run_dir, run_dir / "checkpoints")  # one writer
+    with run_dir_lock(run_dir, "`rtrl train`"): remove_staging(run_dir)  # one writer
 """
 
 from realtime_rl.train.losses import LossConfig, group_advantages, k3, pass_at_k_advantages, policy_loss

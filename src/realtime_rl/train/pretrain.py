@@ -335,7 +335,7 @@ def pretrain(config: PretrainConfig, show_progress: bool = True) -> dict[str, An
 def _pretrain_locked(config: PretrainConfig, show_progress: bool) -> dict[str, Any]:
     run_dir = Path(config.run_dir)
     remove_stale_groups(run_dir)
-    remove_staging(run_dir, run_dir / "checkpoints")  # a checkpoint or corpus that a kill cut short
+    remove_staging(run_dir)  # a checkpoint or corpus that a kill cut short
     world, threads = processes_for(config)
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -366,11 +366,13 @@ def ensure_base_model(config: PretrainConfig, show_progress: bool = True) -> Pat
     """The final checkpoint of `config` under its run_dir: reused when one built from an identical config
     (same config_hash) is there, trained (or resumed) otherwise."""
     final = Path(config.run_dir) / "checkpoints" / f"step-{config.steps:07d}"
-    if final.is_dir() and _built_by(final) == config_hash(config):
+
+    def built() -> bool:
+        return final.is_dir() and _built_by(final) == config_hash(config)
+
+    if built():
         return final
     # Another process may be building it (two `rtrl train` runs started together on a fresh machine):
     # wait for it, then use what it built.
     with run_dir_lock(config.run_dir, "`rtrl pretrain`", wait_s=BASE_MODEL_WAIT_S):
-        if final.is_dir() and _built_by(final) == config_hash(config):
-            return final
-        return Path(_pretrain_locked(config, show_progress)["checkpoint"])
+        return final if built() else Path(_pretrain_locked(config, show_progress)["checkpoint"])

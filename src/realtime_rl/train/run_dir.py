@@ -46,22 +46,23 @@ def run_dir_lock(run_dir: str | Path, holder: str, wait_s: float = 0.0) -> Itera
         yield
 
 
-def remove_staging(run_dir: str | Path, published: str | Path | None = None) -> list[Path]:
+def remove_staging(run_dir: str | Path) -> list[Path]:
     """Remove the staging a writer killed mid-save left under run_dir; returns what was removed. Under
-    `published` (the folder of final directories, e.g. run_dir/checkpoints), a directory moved aside into
+    run_dir/checkpoints (where `rtrl pretrain` and `rtrl train` publish), a directory moved aside into
     `.old-<name>-*` whose replacement never got its name is put back first: the kill came between
     publish_directory's two renames, and it is the one whole copy under that name."""
-    removed = []
-    if published is not None and Path(published).is_dir():
+    run_dir = Path(run_dir)
+    published, removed = run_dir / "checkpoints", []
+    if published.is_dir():
         # Before 1235a1f publish_directory moved the old directory aside into run_dir itself.
-        for old in [*Path(published).glob(".old-*"), *Path(run_dir).glob(".old-*")]:
+        for old in [*published.glob(".old-*"), *run_dir.glob(".old-*")]:
             for kept in (p for p in old.iterdir() if p.is_dir()):
-                if not (Path(published) / kept.name).exists():
-                    os.replace(kept, Path(published) / kept.name)
+                if not (published / kept.name).exists():
+                    os.replace(kept, published / kept.name)
             shutil.rmtree(old, ignore_errors=True)
             removed.append(old)
     for prefix in STAGING_PREFIXES:
-        for stale in Path(run_dir).glob(f"{prefix}*"):
+        for stale in run_dir.glob(f"{prefix}*"):
             shutil.rmtree(stale, ignore_errors=True)
             removed.append(stale)
     return removed
