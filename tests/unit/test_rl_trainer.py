@@ -806,3 +806,16 @@ def test_each_difficulty_draws_consecutive_tasks_from_every_input_type():
     assert [i for d, i in jobs if d == 3] == list(range(rollout.first_task, rollout.first_task + 20))
     takes = {pick(i, "train", 0, 3).ops[0].takes for d, i in jobs if d == 3}
     assert len(takes) == 3, takes
+
+
+def test_task_mix_input_types_deals_each_input_type_in_turn():
+    from realtime_rl.config import RolloutConfig
+    from realtime_rl.environments.synthetic import pick
+    from realtime_rl.rollout.orchestrator import task_difficulty, task_index
+
+    rollout = RolloutConfig(min_difficulty=1, max_difficulty=2, task_mix="input_types")
+    jobs = [(task_difficulty(k, rollout), task_index(k, rollout)) for k in range(120)]
+    assert len(set(jobs)) == 120
+    for difficulty in (1, 2):
+        takes = [pick(i, "train", 0, d).ops[0].takes for d, i in jobs if d == difficulty]
+        assert takes == ["ints", "nat", "text"] * 20

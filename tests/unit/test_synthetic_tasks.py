@@ -270,3 +270,29 @@ def test_train_indices_skip_structures_with_held_out_parts_and_leave_lower_diffi
     both = train_indices(seed=0, difficulty=3, skip_reserved=True, skip_heldout_parts=True)
     assert not any(reserved_structure(generate_task(i, "train", difficulty=3).metadata["structure"])
                    for i in [next(both) for _ in range(30)])
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 2], [3, 3, 3], [1, 7, 4], [0, 0, 6]])
+def test_deinterleave_inverts_the_round_robin(sizes):
+    from realtime_rl.environments.synthetic_index import _deinterleave, _interleave
+
+    for index in range(sum(sizes)):
+        pool, place = _interleave(index, sizes)
+        assert _deinterleave(pool, place, sizes) == index
+    with pytest.raises(ValueError, match="beyond pool"):
+        _deinterleave(2, sizes[2], sizes)
+
+
+def test_pool_task_index_reaches_each_input_type_past_the_smallest_pool():
+    """Past index 100,000 the index space gives difficulty 2 integer lists alone; pool_task_index reaches the
+    text and naturals pools at any place."""
+    from realtime_rl.environments.synthetic import pick, pool_size, pool_task_index
+
+    assert {pick(i, "train", 0, 2).ops[0].takes for i in range(100_000, 100_030)} == {"ints"}
+    for input_type in ("ints", "nat", "text"):
+        last = pool_size("train", 2, input_type) - 1
+        for place in (0, 1, last // 2, last):
+            index = pool_task_index("train", 2, input_type, place)
+            assert pick(index, "train", 0, 2).ops[0].takes == input_type
+    with pytest.raises(ValueError, match="input_type"):
+        pool_task_index("train", 2, "floats", 0)

@@ -237,6 +237,11 @@ class RolloutConfig(StrictModel):
     """Index of the first train task used for RL (past those pre-training saw; wraps at a difficulty's pool size).
     With split "reserved" it indexes the reserved tasks (1,656 of difficulty 1: RL starts at 640 and reaches the
     reserved tasks `rtrl bench learn` evaluates, 0-99, after ~1,000 difficulty-1 groups)."""
+    task_mix: Literal["index", "input_types"] = "index"
+    """How each difficulty's groups walk its tasks. "index": indices first_task, first_task + 1, ... of the
+    index space, which deals the input types (integer lists, naturals, text) in turn only until its smallest pool
+    runs out: past index 100,000 difficulty 2 is integer lists alone. "input_types": the input types in turn, the
+    k-th task of each from place first_task // 3 of its own pool (wrapping)."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Sampling temperature of rollouts."""
     tool_latency_s: float = Field(0.0, ge=0.0, le=600.0)

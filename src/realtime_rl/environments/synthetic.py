@@ -40,8 +40,8 @@ from typing import Any
 
 from realtime_rl.environments.synthetic_index import (
     HELDOUT_FRACTION, RESERVED_FRACTION, SPLITS, TASK_SETS, Pick, Split, count_distinct_programs,
-    count_distinct_tasks, holds_heldout_part, pick, reserved_structure, split_size, structure_split, task_set,
-    train_indices,
+    count_distinct_tasks, holds_heldout_part, pick, pool_size, pool_task_index, reserved_structure, split_size,
+    structure_split, task_set, train_indices,
 )
 from realtime_rl.environments.synthetic_ops import (
     ANNOTATION, INPUT_DESCRIPTION, LAYOUTS, NAME_STYLES, PARAMETER_NAMES, RESULT_DESCRIPTION, Op,
@@ -50,7 +50,8 @@ from realtime_rl.environments.synthetic_ops import (
 
 __all__ = ["BUG_KINDS", "HELDOUT_FRACTION", "RESERVED_FRACTION", "SPLITS", "TASK_SETS", "SyntheticTask",
            "count_distinct_programs", "count_distinct_tasks", "generate_task", "generate_tasks", "holds_heldout_part",
-           "reserved_structure", "split_size", "structure_split", "task_set", "train_indices"]
+           "pool_size", "pool_task_index", "reserved_structure", "split_size", "structure_split", "task_set",
+           "train_indices"]
 
 Value = int | str | list[int] | list[str]
 BUG_KINDS = ("off_by_one", "wrong_comparison", "missing_step", "wrong_constant")

@@ -179,6 +179,41 @@ def _interleave(index: int, sizes: list[int]) -> tuple[int, int]:
     raise AssertionError("index beyond the pools")
 
 
+def _deinterleave(pool: int, place: int, sizes: list[int]) -> int:
+    """The inverse of _interleave: the index that lands on `place` of pool `pool`."""
+    if not 0 <= place < sizes[pool]:
+        raise ValueError(f"place {place} is beyond pool {pool}'s {sizes[pool]} tasks")
+    offset, used = 0, [0] * len(sizes)
+    active = [i for i, size in enumerate(sizes) if size > 0]
+    while True:
+        rounds = min(sizes[i] - used[i] for i in active)
+        if place < used[pool] + rounds:
+            return offset + (place - used[pool]) * len(active) + active.index(pool)
+        offset += rounds * len(active)
+        used = [u + rounds if i in active else u for i, u in enumerate(used)]
+        active = [i for i in active if used[i] < sizes[i]]
+
+
+def pool_size(split: Split, difficulty: int, input_type: str) -> int:
+    """How many tasks of this split and difficulty take `input_type` (synthetic_ops.INPUT_TYPES)."""
+    check_arguments(split, difficulty)
+    if input_type not in INPUT_TYPES:
+        raise ValueError(f"input_type must be one of {INPUT_TYPES}, got {input_type!r}")
+    return _pools(split)[(difficulty, input_type)].programs * SURFACES
+
+
+def pool_task_index(split: Split, difficulty: int, input_type: str, place: int) -> int:
+    """The index (of `pick`/`generate_task` at this split and difficulty) of the place-th task taking
+    `input_type`: the index space deals the input types in turn only until its smallest pool runs out
+    (past it, difficulty 2's train tasks are integer lists alone), this reaches each input type's tasks."""
+    size = pool_size(split, difficulty, input_type)
+    if not 0 <= place < size:
+        raise ValueError(f"place {place} is beyond the {size} {split} tasks of difficulty {difficulty} taking "
+                         f"{input_type}")
+    return _deinterleave(INPUT_TYPES.index(input_type), place,
+                         [pool_size(split, difficulty, t) for t in INPUT_TYPES])
+
+
 def _mix(x: int, key: int) -> int:
     """splitmix64's finalizer: a cheap, well-spread 64-bit hash."""
     z = (x * 0x9E3779B97F4A7C15 + key) & 0xFFFFFFFFFFFFFFFF

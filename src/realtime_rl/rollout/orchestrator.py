@@ -30,6 +30,8 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from realtime_rl.config import RolloutConfig, TrainConfig
+from realtime_rl.environments.synthetic import pool_size, pool_task_index
+from realtime_rl.environments.synthetic_ops import INPUT_TYPES
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.rollout.base import RolloutBackend
 from realtime_rl.rollout.buffer import StalenessBuffer, TrajectoryLog
@@ -59,10 +61,19 @@ def task_difficulty(k: int, rollout: RolloutConfig) -> int:
 
 
 def task_index(k: int, rollout: RolloutConfig) -> int:
-    """The task index of the run's k-th group within its difficulty: consecutive per difficulty, from first_task.
+    """The task index of the run's k-th group within its difficulty (rollout.task_mix): consecutive per difficulty,
+    from first_task, or each input type in turn.
     The index space deals a difficulty's input-type pools (ints, nat, text) in turn, so with three difficulties in
     turn a shared counter gave one difficulty every third index: all its tasks from one pool."""
-    return rollout.first_task + k // (rollout.max_difficulty - rollout.min_difficulty + 1)
+    turn = k // (rollout.max_difficulty - rollout.min_difficulty + 1)
+    if rollout.task_mix == "index":
+        return rollout.first_task + turn
+    difficulty = task_difficulty(k, rollout)
+    types = [t for t in INPUT_TYPES if pool_size(rollout.split, difficulty, t)]
+    input_type = types[turn % len(types)]
+    place = rollout.first_task // len(INPUT_TYPES) + turn // len(types)
+    return pool_task_index(rollout.split, difficulty, input_type,
+                           place % pool_size(rollout.split, difficulty, input_type))
 
 
 def resolve_base(config: TrainConfig) -> Path:
