@@ -287,3 +287,21 @@ def test_a_first_context_past_the_trigger_is_not_summarized_before_any_turn(toke
     cfg = AgentConfig(summary_trigger_tokens=head // 2, max_context_tokens=head + 600, max_new_tokens=64)
     ep = run_episode(policy, tokenizer, task, sandbox, cfg).episode
     assert ep.ended_by == "submit" and policy.summary_calls == 0 and ep.num_turns == 1
+
+
+class EndOfTextPolicy(ScriptedPolicy):
+    """Ends each reply with <|endoftext|>, the other stop token, instead of <|im_end|>."""
+
+    def generate(self, context_ids, max_new_tokens, stop_ids):
+        out = super().generate(context_ids, max_new_tokens, stop_ids)
+        ids = out.token_ids[:-1] + [self.tokenizer.endoftext_id]
+        return PolicyOutput(ids, out.logprobs, out.versions)
+
+
+def test_a_turn_ended_by_endoftext_is_closed_by_the_template(tokenizer, task, sandbox):
+    """The next context once read `<|endoftext|>\\n<|im_start|>tool`: the turn never closed."""
+    policy = EndOfTextPolicy(tokenizer, [tc("list_files"), tc("submit")])
+    ep = run_episode(policy, tokenizer, task, sandbox, AgentConfig()).episode
+    assert ep.ended_by == "submit" and ep.malformed_tool_calls == 0
+    second = tokenizer.decode(policy.contexts[1], skip_special_tokens=False)
+    assert "<|endoftext|><|im_end|>\n<|im_start|>" in second

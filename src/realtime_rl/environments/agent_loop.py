@@ -222,10 +222,10 @@ def run_episode(
         segment_turns += 1
         out = policy.generate(seg.token_ids, config.max_new_tokens, stop_ids)
         seg.add_generated(out)
-        if out.token_ids and out.token_ids[-1] in stop_ids:
+        if out.token_ids and out.token_ids[-1] == turn_end[0]:
             seg.add_context(turn_end[1:])  # the policy wrote <|im_end|>; the template's newline follows
         else:
-            seg.add_context(turn_end)  # cut off by max_new_tokens: close the turn for it
+            seg.add_context(turn_end)  # cut off by max_new_tokens or ended by <|endoftext|>: close the turn for it
         text = tokenizer.decode([t for t in out.token_ids if t not in stop_ids], skip_special_tokens=True)
         parsed = parse_assistant(text, TOOL_SCHEMAS)
         if first_reply is None:  # what a user served this reply would have received (rewards.classify_reply)
