@@ -193,6 +193,9 @@ def test_heldout_eval_runs_a_checkpoint_through_the_agent_loop(tmp_path):
                         max_summaries=0)
     report = heldout_pass_at_1(checkpoint, num_tasks=4, max_difficulty=2, agent=agent, concurrency=4)
     assert report["tasks"] == 4 and set(report["by_difficulty"]) == {1, 2}
+    kinds = report["by_input_type"]
+    assert set(kinds) == {1, 2} and sum(n for d in kinds.values() for _, n in d.values()) == 4
+    assert sum(p for d in kinds.values() for p, _ in d.values()) == report["passed"]
     assert sum(report["ended_by"].values()) == 4 and 1 <= report["mean_turns"] <= 2
     assert report["failed_submits"] <= min(report["ended_by"].get("submit", 0), 4 - report["passed"])
     repairs = report["repairs"]

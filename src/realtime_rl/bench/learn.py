@@ -31,9 +31,10 @@ reference, a novice variant, other code, nothing; `*_failed` over failed episode
 kind are what RL toward the expert removes, "other" ones are programs the model cannot write.
 `*_stage_comments` counts the episodes whose first write's stage comments are the instructions' steps
 (`right`, `right_passed`) and those whose first wrong one is at stage k: on held-out structures the default
-base mostly writes another stage's comment, and the code follows it. `*_structure_mean_pass_at_1` averages
-pass@1 over the `heldout_structures` program structures the tasks belong to, each weighing the same (two
-structures fill most difficulty-1 tasks).
+base mostly writes another stage's comment, and the code follows it. `*_by_input_type` counts [passed, tasks]
+per difficulty and input type (integer lists, naturals, text). `*_structure_mean_pass_at_1` averages pass@1
+over the `heldout_structures` program structures the tasks belong to, each weighing the same (two structures fill
+most difficulty-1 tasks).
 `RTRL_BENCH_BASE=DIR` starts from that checkpoint instead of the default base model; `--set KEY=VALUE`
 changes the recipe (`rtrl bench learn --set rl.kl_coef=0`; the result records it).
 `base_passed_bits` / `rl_passed_bits` say which held-out tasks passed, in task order.
@@ -234,6 +235,8 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "rl_ci95": list(after["ci95"]),
         "base_by_difficulty": before["by_difficulty"],
         "rl_by_difficulty": after["by_difficulty"],
+        "base_by_input_type": before["by_input_type"],
+        "rl_by_input_type": after["by_input_type"],
         "base_behaviour": behaviour(before),
         "rl_behaviour": behaviour(after),
         "base_greedy_pass_at_1": greedy["pass_at_1"],

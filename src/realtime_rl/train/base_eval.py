@@ -81,7 +81,8 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     Task k samples with task_seed(seed, k) as the eval gate does, so two checkpoints evaluated with one seed
     pair up task by task on the same random numbers, and one checkpoint evaluated twice scores the same.
 
-    Returns pass_at_1, passed, tasks, ci95 (Wilson), by_difficulty {d: pass_at_1}, ended_by counts, mean
+    Returns pass_at_1, passed, tasks, ci95 (Wilson), by_difficulty {d: pass_at_1}, by_input_type {d: {input type:
+    [passed, tasks]}} (integer lists, naturals, text: held-out text fails most), ended_by counts, mean
     turns, malformed tool calls, failed submits (submitted and failed the tests), the wall time and
     per_task (one EpisodeOutcome dict per task: task_id, seed, passed, ended_by, turns, first_write (the
     text the first reply wrote), ..., with its structure and first_write_kind).
@@ -110,8 +111,13 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
         comment = [wrong_stage_comment(by_id[o.task_id], o.first_write) for o in outcomes]
     by_difficulty: dict[int, list[bool]] = {}
     by_structure: dict[str, list[int]] = {}
+    by_input_type: dict[int, dict[str, list[int]]] = {}
     for o in outcomes:
-        by_difficulty.setdefault(by_id[o.task_id].metadata["difficulty"], []).append(o.passed)
+        meta = by_id[o.task_id].metadata
+        by_difficulty.setdefault(meta["difficulty"], []).append(o.passed)
+        kind = by_input_type.setdefault(meta["difficulty"], {}).setdefault(meta["input_type"], [0, 0])
+        kind[0] += o.passed
+        kind[1] += 1
         counts = by_structure.setdefault(by_id[o.task_id].metadata["structure"], [0, 0])
         counts[0] += o.passed
         counts[1] += 1
@@ -123,6 +129,7 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
         "tasks": len(outcomes),
         "ci95": wilson_interval(passed, len(outcomes)),
         "by_difficulty": {d: sum(v) / len(v) for d, v in sorted(by_difficulty.items())},
+        "by_input_type": {d: dict(sorted(v.items())) for d, v in sorted(by_input_type.items())},
         "ended_by": dict(Counter(o.ended_by for o in outcomes)),
         "mean_turns": sum(o.turns for o in outcomes) / len(outcomes),
         "malformed_tool_calls": sum(o.malformed_tool_calls for o in outcomes),
