@@ -59,7 +59,7 @@ def _passes_its_tests(task) -> bool:
                     exec(line.strip(), {name: function})  # our own generated tests
                 except AssertionError:
                     return False
-    return True
+    return all(function(case.input) == case.expected for case in task.value_cases().cases)  # the tests as data
 
 
 def test_a_corpus_that_reserves_structures_leaves_out_exactly_theirs():
@@ -129,6 +129,9 @@ def test_renamed_tasks_are_the_same_task_under_another_name():
         assert task.instructions.startswith("# Get spread odds\n")
         assert "`get_spread_odds(" in task.instructions and f"`{original.metadata['function']}(" not in task.instructions
         assert set(task.workspace()) == {"get_spread_odds.py", "get_spread_odds_test.py"}
+        cases, before = task.value_cases(), MemoryTask.of(original).value_cases()
+        assert (cases.module, cases.function) == ("get_spread_odds",) * 2
+        assert [(c.input, c.expected) for c in cases.cases] == [(c.input, c.expected) for c in before.cases]
         assert _passes_its_tests(task)
         for novice in task.novice_files:
             _module(task.read(novice), "get_spread_odds")

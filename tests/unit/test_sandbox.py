@@ -421,3 +421,32 @@ def test_grade_cache_runs_identical_workspaces_once(sandbox):
     assert cache.runs == 5
     with pytest.raises(ValueError, match="max_entries"):
         GradeCache(sandbox, max_entries=0)
+
+
+def test_run_calls_returns_each_value_or_what_was_raised_and_the_cache_runs_it_once(sandbox):
+    """Each input is decoded afresh for its call (a call that mutates it changes nothing for the next); what the
+    function raised is per call; an import that fails is said once; a run that exits answers nothing."""
+    from realtime_rl.environments.grading import GradeCache
+
+    files = {"calc.py": "def twice(xs):\n    if xs == [0]:\n        raise ValueError('zero')\n    out = xs * 2\n"
+                        "    xs += xs\n    return out\n"}
+    report = sandbox.run_calls(files, "calc", "twice", ["[1]", "[0]", "[1]", '"ab"'])
+    assert report.results == [("value", "[1, 1]"), ("error", "ValueError: zero"), ("value", "[1, 1]"),
+                              ("value", "'abab'")]
+    assert report.import_error is None and not report.timed_out
+    broken = sandbox.run_calls({"calc.py": "def twice(:\n"}, "calc", "twice", ["1"])
+    assert broken.results is None and broken.import_error.startswith("SyntaxError")
+    gone = sandbox.run_calls({"calc.py": "import os\n\ndef twice(x):\n    os._exit(0)\n"}, "calc", "twice", ["1"])
+    assert gone.results is None and gone.import_error is None
+    slow = sandbox.run_calls({"calc.py": "import time\n\ndef twice(x):\n    time.sleep(30)\n"}, "calc", "twice",
+                             ["1"], timeout_s=1)
+    assert slow.timed_out and slow.results is None
+    with pytest.raises(ValueError, match="identifiers"):
+        sandbox.run_calls(files, "calc.py", "twice", ["1"])
+    with pytest.raises(ValueError, match="JSON texts"):
+        sandbox.run_calls(files, "calc", "twice", [1])
+    cache = GradeCache(sandbox)
+    first = cache.run_calls(files, "calc", "twice", ["[1]"])
+    assert cache.run_calls(files, "calc", "twice", ["[1]"]) is first
+    assert cache.run_calls(files, "calc", "twice", ["[2]"]).results == [("value", "[2, 2]")]
+    assert (cache.runs, cache.hits) == (2, 1)

@@ -6,6 +6,9 @@
                      in a fresh sandbox: what grading runs
     cold_light_cpu_ms  the machine's CPU time per such run (all processes: /proc/stat over the runs, so
                      anything else running on the machine counts too)
+    cold_calls_p50_ms, _cpu_ms  the same eight checks graded by value (Sandbox.run_calls: is_isogram called on each
+                     input in a fresh sandbox, the values compared on the host): what grading runs for
+                     synthetic tasks
     cold_exec_big_parent_p50_ms, _cpu_ms  cold_exec_p50_ms from a parent holding BALLAST_MB of touched memory,
                      as a rollout worker or a trainer holding a model does (starting a process may copy the
                      parent's page tables), with its machine CPU time as above
@@ -19,6 +22,7 @@ share the machine with whatever else runs on it; `--quick` takes fewer samples.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
@@ -90,6 +94,9 @@ def test_duplicate_after_hyphen():
 '''
 FUNCTION_FILES = {"isogram.py": SOLUTION, "isogram_test.py": FUNCTION_TESTS}
 """The same tests as plain functions, the synthetic tasks' style."""
+CALLS = [("", True), ("isogram", True), ("eleven", False), ("Alphabet", False), ("six-year-old", True),
+         ("Emily Jung Schwartzkopf", True), ("thumbscrew-japingly", True), ("up-to-date", False)]
+"""The same checks as data: what grading by value calls and compares."""
 
 
 def _ms(samples: list[float], q: float) -> float:
@@ -141,6 +148,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         raise RuntimeError(f"the light runner fell back to pytest: {light.fallback_reason}")
     cold_light, cold_light_cpu_s = _timed_with_cpu(
         lambda: sandbox.run_tests(FUNCTION_FILES, ["isogram_test.py"], runner="light"), n_cold)
+    solution = {"isogram.py": SOLUTION}
+    inputs = [json.dumps(text) for text, _ in CALLS]
+    called = sandbox.run_calls(solution, "isogram", "is_isogram", inputs)
+    if called.results != [("value", repr(expected)) for _, expected in CALLS]:
+        raise RuntimeError(f"the benchmark task's calls did not all return the expected values:\n{called}")
+    cold_calls, cold_calls_cpu_s = _timed_with_cpu(
+        lambda: sandbox.run_calls(solution, "isogram", "is_isogram", inputs), n_cold)
     ballast = bytearray(BALLAST_MB << 20)  # memory this process has written to (every page mapped)
     ballast[::4096] = b"\1" * (len(ballast) // 4096)
     cold_exec_big, cold_exec_big_cpu_s = _timed_with_cpu(lambda: sandbox.run(["true"], {}), n_cold)
@@ -177,6 +191,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "cold_exec_p50_ms": _ms(cold_exec, 0.5),
         "cold_light_p50_ms": _ms(cold_light, 0.5),
         "cold_light_cpu_ms": round(1000 * cold_light_cpu_s, 2),
+        "cold_calls_p50_ms": _ms(cold_calls, 0.5),
+        "cold_calls_cpu_ms": round(1000 * cold_calls_cpu_s, 2),
         "cold_exec_big_parent_p50_ms": _ms(cold_exec_big, 0.5),
         "cold_exec_big_parent_cpu_ms": round(1000 * cold_exec_big_cpu_s, 2),
         "warm_p50_ms": _ms(warm, 0.5),

@@ -4,6 +4,13 @@ The grading workspace is the agent's final workspace minus every file named like
 ships, plus the task's pristine visible tests and (unless asked not to) its hidden tests. A task
 passes when every one of those tests passes and at least one ran.
 
+A task whose tests are also data (`Task.value_cases`: every synthetic task) is graded by value instead: the
+sandbox imports the solution and calls its function on each test's input, and the host compares what came
+back with the expected values, which never enter the sandbox. Tests and solution share one process in a test
+run, so code under test can forge the run's report (sandbox/__init__.py); by value, forging still needs every
+hidden answer. The verdict is the test run's for honest code (the same calls in the same order, Python's
+`==` on the returned value read back with `ast.literal_eval`).
+
 `GradeCache` wraps the grading runner so that identical grading workspaces run once: a fresh sandbox with
 pristine tests makes the verdict a function of the files (for tests that depend neither on the clock nor
 on unseeded randomness, as the synthetic tasks' do not), and at T = 1 a small policy
@@ -14,14 +21,19 @@ timed out is never reused.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
-from realtime_rl.environments.tasks import Task
+from realtime_rl.environments.sandbox.results import CallReport
+from realtime_rl.environments.sandbox.sandbox import MAX_VALUE_CHARS
+from realtime_rl.environments.tasks import Task, ValueCases
 from realtime_rl.environments.tools import TestReportLike, TestRunner
 
 
@@ -48,11 +60,63 @@ def grading_files(task: Task, files: Mapping[str, str], include_hidden: bool = T
 
 def grade(task: Task, files: Mapping[str, str], sandbox: TestRunner, include_hidden: bool = True,
           timeout_s: float | None = None) -> GradeResult:
-    """Grade `files` (e.g. an agent's final workspace) against the task's pristine tests."""
+    """Grade `files` (e.g. an agent's final workspace) against the task's pristine tests: by value where the
+    task has its tests as data (then `sandbox` must have `run_calls`: Sandbox, GradeCache), else a test run."""
+    cases = task.value_cases(include_hidden)
+    if cases is not None:
+        run_calls = getattr(sandbox, "run_calls", None)
+        if run_calls is None:
+            raise TypeError(f"{task.task_id} is graded by value: {type(sandbox).__name__} has no run_calls "
+                            "(grade with a Sandbox or a GradeCache around one)")
+        tests = {*task.pristine_tests(), *task.hidden_tests()}  # no expected value enters the sandbox
+        workspace = {path: content for path, content in files.items() if path not in tests}
+        report: CallReport = run_calls(workspace, cases.module, cases.function,
+                                       [json.dumps(case.input) for case in cases.cases], timeout_s=timeout_s)
+        return grade_values(task.task_id, cases, report)
     grading, test_files = grading_files(task, files, include_hidden)
-    report: TestReportLike = sandbox.run_tests(grading, test_files, timeout_s=timeout_s)
-    return GradeResult(task.task_id, bool(report.ok), report.passed, report.failed, report.errors, report.output,
-                       bool(getattr(report, "timed_out", False)))
+    tests: TestReportLike = sandbox.run_tests(grading, test_files, timeout_s=timeout_s)
+    return GradeResult(task.task_id, bool(tests.ok), tests.passed, tests.failed, tests.errors, tests.output,
+                       bool(getattr(tests, "timed_out", False)))
+
+
+def grade_values(task_id: str, cases: ValueCases, report: CallReport) -> GradeResult:
+    """Compare what each call returned with its expected value, counting as a test run would: a call that
+    raised or returned another value fails its test; a function that cannot be imported is an error per test
+    file (pytest's collection error); a run that answered nothing (a crash, an exit, a timeout) counts nothing."""
+    if report.results is None:
+        if report.import_error is not None:
+            files = len({case.test_file for case in cases.cases})
+            why = f"cannot import {cases.function} from {cases.module}: {report.import_error}"
+            return GradeResult(task_id, False, 0, 0, files, f"ERROR {why}\n" + report.output, False)
+        why = "timed out" if report.timed_out else f"ended (exit status {report.run.exit_code}) without answering"
+        return GradeResult(task_id, False, 0, 0, 0, f"[grading] the run {why}\n" + report.output,
+                           report.timed_out)
+    passed = failed = 0
+    lines = []
+    for case, (kind, text) in zip(cases.cases, report.results):
+        if kind == "value" and _literal(text) == case.expected:
+            passed += 1
+            continue
+        failed += 1
+        got = f"raised {text}" if kind == "error" else f"returned {text[:200]}"
+        lines.append(f"FAILED {case.test_file}::{case.name}: {cases.function}({case.input!r}) {got}, "
+                     f"expected {case.expected!r}")
+    lines.append(f"{passed} passed, {failed} failed (graded by value)")
+    return GradeResult(task_id, failed == 0 and passed >= 1, passed, failed, 0, "\n".join(lines) + "\n" + report.output,
+                       False)
+
+
+_NOT_A_LITERAL = object()
+"""What a returned value's repr that is no Python literal reads back as: equal to no expected value."""
+
+
+def _literal(text: str) -> object:
+    if len(text) > MAX_VALUE_CHARS:  # the sandbox cuts no longer repr, but the code under test can write the report
+        return _NOT_A_LITERAL
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_A_LITERAL
 
 
 def solution_files(task: Task, which: str) -> dict[str, str]:
@@ -66,7 +130,8 @@ def solution_files(task: Task, which: str) -> dict[str, str]:
 
 
 class GradeCache:
-    """A TestRunner that runs each distinct (files, tests, timeout) once and replays the report; thread-safe.
+    """A TestRunner that runs each distinct (files, tests, timeout) or (files, calls, timeout) once and replays the
+    report; thread-safe. `run_calls` needs a runner that has it.
 
     Keeps the last `max_entries` reports. `runs` and `hits` count what it did.
     """
@@ -81,7 +146,18 @@ class GradeCache:
 
     def run_tests(self, files: Mapping[str, str | bytes], test_files: Sequence[str], *,
                   timeout_s: float | None = None) -> TestReportLike:
-        key = _content_key(files, test_files, timeout_s)
+        return self._once(_content_key(files, ("tests", sorted(test_files), timeout_s)),
+                          lambda: self.runner.run_tests(files, test_files, timeout_s=timeout_s))
+
+    def run_calls(self, files: Mapping[str, str | bytes], module: str, function: str, inputs: Sequence[str], *,
+                  timeout_s: float | None = None) -> CallReport:
+        run_calls = getattr(self.runner, "run_calls", None)
+        if run_calls is None:
+            raise TypeError(f"{type(self.runner).__name__} has no run_calls")
+        return self._once(_content_key(files, ("calls", module, function, list(inputs), timeout_s)),
+                          lambda: run_calls(files, module, function, inputs, timeout_s=timeout_s))
+
+    def _once(self, key: str, run: Callable[[], Any]) -> Any:
         with self._lock:
             pending = self._reports.get(key)
             if pending is None:
@@ -101,9 +177,9 @@ class GradeCache:
                     return report
             except Exception:
                 pass  # the owner's run failed: this request runs on its own
-            return self.runner.run_tests(files, test_files, timeout_s=timeout_s)
+            return run()
         try:
-            report = self.runner.run_tests(files, test_files, timeout_s=timeout_s)
+            report = run()
         except BaseException as e:
             with self._lock:
                 self._reports.pop(key, None)
@@ -117,8 +193,8 @@ class GradeCache:
         return report
 
 
-def _content_key(files: Mapping[str, str | bytes], test_files: Sequence[str], timeout_s: float | None) -> str:
-    h = hashlib.sha256(repr((sorted(test_files), timeout_s)).encode())
+def _content_key(files: Mapping[str, str | bytes], what: tuple) -> str:
+    h = hashlib.sha256(repr(what).encode())
     for path in sorted(files):
         content = files[path]
         data = content.encode() if isinstance(content, str) else bytes(content)

@@ -13,6 +13,8 @@ index i of a split is. Each task directory holds:
     <module>_test.py                    2-4 visible pytest cases
     .meta/example.py                    the reference solution
     .meta/<module>_hidden_test.py       more cases (empty input, negatives, ties), none of the visible ones
+    .meta/cases.json                    every visible and hidden test as data, which grading uses (value
+                                        grading: no expected value enters the sandbox)
     .meta/novice/<bug>.py               buggy solutions: off_by_one, wrong_comparison, missing_step,
                                         wrong_constant (those the program admits)
     .meta/config.json                   files, plus `rtrl` metadata (split, structure, novice bugs)
@@ -361,14 +363,18 @@ def generate_task(index: int, split: Split = "train", seed: int = 0,
     visible, hidden = _choose_tests(len(program.ops), typical, outputs, variants, caught_by, rng)
 
     module = program.function
+    visible_cases = [(f"example_{n + 1}", pool[i][1], outputs[i]) for n, i in enumerate(visible)]
+    hidden_cases = [(f"{pool[i][0]}_{n + 1}", pool[i][1], outputs[i]) for n, i in enumerate(hidden)]
     files = {
         ".docs/instructions.md": program.instructions(),
         f"{module}.py": program.stub(),
-        f"{module}_test.py": program.test_module(
-            [(f"example_{n + 1}", pool[i][1], outputs[i]) for n, i in enumerate(visible)]),
+        f"{module}_test.py": program.test_module(visible_cases),
         ".meta/example.py": reference_source,
-        f".meta/{module}_hidden_test.py": program.test_module(
-            [(f"{pool[i][0]}_{n + 1}", pool[i][1], outputs[i]) for n, i in enumerate(hidden)]),
+        f".meta/{module}_hidden_test.py": program.test_module(hidden_cases),
+        ".meta/cases.json": json.dumps({"module": module, "function": module, "tests": {
+            test_file: [{"name": label, "input": value, "expected": expected} for label, value, expected in cases]
+            for test_file, cases in ((f"{module}_test.py", visible_cases),
+                                     (f".meta/{module}_hidden_test.py", hidden_cases))}}) + "\n",
     }
     novice_bugs = []
     for kind in BUG_KINDS:
@@ -396,7 +402,7 @@ def generate_task(index: int, split: Split = "train", seed: int = 0,
     }
     config = {"files": {"solution": [f"{module}.py"], "test": [f"{module}_test.py"],
                         "example": [".meta/example.py"], "hidden_test": [f".meta/{module}_hidden_test.py"],
-                        "novice": [bug["file"] for bug in novice_bugs]},
+                        "novice": [bug["file"] for bug in novice_bugs], "cases": ".meta/cases.json"},
               "rtrl": metadata}
     files[".meta/config.json"] = json.dumps(config, indent=2) + "\n"
     return SyntheticTask(_slug(index, split, seed, difficulty), files, metadata)

@@ -8,8 +8,9 @@
 
 Synthetic tasks (environments/synthetic.py) use the same layout plus optional keys in
 `.meta/config.json`: `files.hidden_test` (tests only simulated users and graders see, under `.meta/`),
-`files.novice` (buggy variants of the solution, under `.meta/`) and an `rtrl` object with metadata
-(split, difficulty, structure). `load_tasks(path)` reads one task or a folder of them.
+`files.novice` (buggy variants of the solution, under `.meta/`), `files.cases` (every test as data, for value
+grading: see `ValueCases`) and an `rtrl` object with metadata (split, difficulty, structure). `load_tasks(path)`
+reads one task or a folder of them.
 
 A task's *workspace* is what the agent starts with: the stubs and the visible tests (and any other
 plain file at the top level). `.meta/` and `.docs/` never enter a workspace.
@@ -21,6 +22,33 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+
+@dataclass(frozen=True)
+class ValueCase:
+    """One test as data: `function(input) == expected`, with input and expected as JSON values."""
+
+    test_file: str
+    """The test file (as config.json lists it) whose test this is."""
+    name: str
+    input: Any
+    expected: Any
+
+
+@dataclass(frozen=True)
+class ValueCases:
+    """A task's tests as data (`.meta/cases.json`): each test of every visible and hidden test file calls one
+    function of one module on one input and compares the result with `==`. Grading then runs only the calls in
+    the sandbox and compares on the host, where the expected values stay.
+
+        {"module": "clip_sum", "function": "clip_sum",
+         "tests": {"clip_sum_test.py": [{"name": "example_1", "input": [1, 2], "expected": 3}, ...],
+                   ".meta/clip_sum_hidden_test.py": [...]}}
+    """
+
+    module: str
+    function: str
+    cases: tuple[ValueCase, ...]
 
 
 @dataclass(frozen=True)
@@ -42,6 +70,8 @@ class Task:
     """Buggy variants of solution_files[0] under .meta/ (synthetic tasks)."""
     metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     """The `rtrl` object of .meta/config.json (split, difficulty, ...), or {}."""
+    cases_file: str | None = None
+    """The tests as data under .meta/ (synthetic tasks), for value grading; None: grading runs the test files."""
 
     def read(self, rel: str) -> str:
         return (self.path / rel).read_text()
@@ -62,6 +92,27 @@ class Task:
     def hidden_tests(self) -> dict[str, str]:
         """Hidden tests under their own base names, ready to drop into a grading workspace."""
         return {Path(rel).name: self.read(rel) for rel in self.hidden_test_files}
+
+    def value_cases(self, include_hidden: bool = True) -> ValueCases | None:
+        """The tests of the visible (and hidden) test files as data, in the order a test run takes them (files
+        by base name, tests in file order); None when the task has no cases file."""
+        if self.cases_file is None:
+            return None
+        where = self.path / self.cases_file
+        try:
+            data = json.loads(self.read(self.cases_file))
+            module, function, tests = data["module"], data["function"], data["tests"]
+            files = [*self.test_files, *(self.hidden_test_files if include_hidden else ())]
+            cases = tuple(ValueCase(rel, case["name"], case["input"], case["expected"])
+                          for rel in sorted(files, key=lambda rel: Path(rel).name) for case in tests[rel])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}: not a cases file for this task ({type(e).__name__}: {e})") from None
+        if not (isinstance(module, str) and module.isidentifier() and isinstance(function, str)
+                and function.isidentifier()):
+            raise ValueError(f"{where}: module and function must be Python identifiers")
+        if not cases:
+            raise ValueError(f"{where}: no cases")
+        return ValueCases(module, function, cases)
 
 
 def is_task_dir(path: Path) -> bool:
@@ -98,8 +149,10 @@ def load_task(path: str | Path) -> Task:
         hidden_test_files=tuple(files.get("hidden_test", [])),
         novice_files=tuple(files.get("novice", [])),
         metadata=config.get("rtrl") or {},
+        cases_file=files.get("cases"),
     )
-    listed = [*task.solution_files, *task.test_files, *task.example_files, *task.hidden_test_files, *task.novice_files]
+    listed = [*task.solution_files, *task.test_files, *task.example_files, *task.hidden_test_files, *task.novice_files,
+              *([task.cases_file] if task.cases_file is not None else [])]
     escaping = [rel for rel in listed if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts]
     if escaping:
         raise ValueError(f"{path}: .meta/config.json lists files outside the task: {', '.join(escaping)}")
@@ -112,6 +165,10 @@ def load_task(path: str | Path) -> Task:
         raise ValueError(f"{path}: .meta/config.json lists files that do not exist: {', '.join(missing)}")
     if len(task.example_files) > len(task.solution_files):
         raise ValueError(f"{path}: more example files than solution files")
+    if task.cases_file is not None:
+        if PurePosixPath(task.cases_file).parts[0] != ".meta":  # it holds the hidden tests' expected values
+            raise ValueError(f"{path}: files.cases must be under .meta/, got {task.cases_file}")
+        task.value_cases()  # refuses a cases file that does not cover every test file
     return task
 
 

@@ -235,7 +235,8 @@ class MemoryTask(Task):
                    instructions=synthetic.files[".docs/instructions.md"],
                    solution_files=tuple(listed["solution"]), test_files=tuple(listed["test"]),
                    example_files=tuple(listed["example"]), hidden_test_files=tuple(listed.get("hidden_test", [])),
-                   novice_files=tuple(listed.get("novice", [])), metadata=synthetic.metadata, files=synthetic.files)
+                   novice_files=tuple(listed.get("novice", [])), metadata=synthetic.metadata,
+                   cases_file=listed.get("cases"), files=synthetic.files)
 
     def read(self, rel: str) -> str:
         return self.files[rel]
@@ -263,6 +264,10 @@ def renamed(task: SyntheticTask, name: str) -> SyntheticTask:
     config = json.loads(files[".meta/config.json"])
     config["rtrl"]["function"] = name
     files[".meta/config.json"] = json.dumps(config, indent=2) + "\n"
+    if ".meta/cases.json" in task.files:  # its names are JSON strings; inputs and expected values stay as they were
+        cases = json.loads(task.files[".meta/cases.json"])
+        tests = {identifier.sub(name, rel): listed for rel, listed in cases["tests"].items()}
+        files[".meta/cases.json"] = json.dumps({**cases, "module": name, "function": name, "tests": tests}) + "\n"
     return SyntheticTask(task.slug, files, config["rtrl"])
 
 

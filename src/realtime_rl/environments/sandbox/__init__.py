@@ -4,6 +4,7 @@
     sb.isolation_level, sb.isolation_label                 the tier reached, and exactly what it has
     sb.run(["python3", "x.py"], {"x.py": "..."})           -> RunResult (exit code, output, timeout, ...)
     sb.run_tests(files, ["x_test.py"])                     -> TestReport; a fresh sandbox: what grading uses
+    sb.run_calls(files, "x", "f", ["[1, 2]"])              -> CallReport: f's return values' reprs (value grading)
     with WarmPool(config) as pool:                         pre-started sandboxes, one forked child per run
         pool.run_tests(files, ["x_test.py"])               fast visible-test runs (~ms), same counts
 
@@ -38,14 +39,16 @@ What this does NOT isolate:
 - Code under test tampering with its own test process: solution code imported by the tests can patch
   assertion helpers, or find the report pipe (/proc/self/fd), write forged counts to it and exit. Grading
   uses pristine, read-only test files, ignores conftest.py/ini files, counts through a private pipe and
-  does not count a skipped test as passed, but the tests and the solution share one process, and nothing
-  here or in the reward-hacking monitors (which compare behaviour rates, not code) detects such a forgery:
-  a known gap. The warm pool shares that limit and is never used for grading.
+  does not count a skipped test as passed, but the tests and the solution share one process. Tasks whose
+  tests are also data (every synthetic task, what RL trains on) are therefore graded by value (`run_calls`,
+  environments/grading.py): the expected values never enter the sandbox, so a forged report still has to
+  compute every hidden answer. A task graded by a test run (Exercism's) keeps the gap, and the warm pool,
+  never used for grading, shares it.
 """
 
 from realtime_rl.environments.sandbox.pool import WarmPool
 from realtime_rl.environments.sandbox.probe import Probe, probe_isolation
-from realtime_rl.environments.sandbox.results import IsolationLevel, RunResult, TestReport
+from realtime_rl.environments.sandbox.results import CallReport, IsolationLevel, RunResult, TestReport
 from realtime_rl.environments.sandbox.sandbox import Sandbox
 
-__all__ = ["IsolationLevel", "Probe", "RunResult", "Sandbox", "TestReport", "WarmPool", "probe_isolation"]
+__all__ = ["CallReport", "IsolationLevel", "Probe", "RunResult", "Sandbox", "TestReport", "WarmPool", "probe_isolation"]

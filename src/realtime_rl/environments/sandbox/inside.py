@@ -7,6 +7,9 @@ files into the working directory, sets rlimits, loads the seccomp filter, and th
     exec     execs `argv`; the rest of stdin is the command's stdin
     pytest   runs pytest in this process with a counting plugin; counts go to `report_fd` as JSON
     light    runs the warm pool's light runner (`warm_src`) once, in this fresh sandbox; counts likewise
+    calls    imports `module`, calls `function` on each of `inputs` (JSON values, a fresh copy each) and
+             writes each return value's repr, or the exception it raised, to `report_fd`: no expected
+             value enters the sandbox, so the host compares them (value grading)
     zygote   the warm-pool server: one forked child per request (see `serve`)
     probe    reports what the sandbox looks like from inside (uid, capabilities, seccomp, pytest)
 
@@ -230,6 +233,31 @@ def run_pytest(args: list, report_fd: int) -> int:
     return code
 
 
+def run_calls(module: str, function: str, inputs: list, max_chars: int, report_fd: int) -> int:
+    """Each input's ["value", repr(return value)] or ["error", "Type: message"], in order, to `report_fd`, or
+    {"import_error": ...} when the function cannot be imported; a repr longer than `max_chars` is an error."""
+    import importlib
+
+    try:
+        fn = getattr(importlib.import_module(module), function)
+    except BaseException as e:  # noqa: BLE001 - whatever the module does on import, no call can run
+        report = {"import_error": f"{type(e).__name__}: {e}"[:1000]}
+    else:
+        results = []
+        for text in inputs:
+            try:
+                value = repr(fn(json.loads(text)))
+                results.append(["value", value] if len(value) <= max_chars else
+                               ["error", f"the return value's repr is {len(value)} characters"])
+            except BaseException as e:  # noqa: BLE001 - SystemExit and friends fail the case, not the run
+                results.append(["error", f"{type(e).__name__}: {e}"[:1000]])
+        report = {"results": results}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    write_message(report_fd, report)
+    return 0
+
+
 def run_with_reaper(body) -> int:
     """Fork: the child runs body(); this process, a subreaper, kills what the child left behind."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -312,6 +340,13 @@ def main() -> None:
         def body() -> int:
             set_rlimits(header["limits"])
             return runner["run_light"](header["test_files"], header["report_fd"], "light runner")
+    elif mode == "calls":
+        sys.path.append(workdir)  # as in pytest mode: the workspace after the standard library
+
+        def body() -> int:
+            set_rlimits(header["limits"])
+            return run_calls(header["module"], header["function"], header["inputs"], header["max_value_chars"],
+                             header["report_fd"])
     else:
         sys.exit(f"unknown mode {mode!r}")
     sys.exit(run_with_reaper(body) if header.get("reaper") else body())

@@ -79,3 +79,19 @@ class TestReport:
     """Ran in a warm-pool slot (light runner) rather than a fresh sandbox with pytest."""
     fallback_reason: str | None = None
     """Why a warm-pool request ran cold instead (the runner could not promise pytest's answer)."""
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """One function called on each of its inputs in a fresh sandbox (value grading): what came back per input."""
+
+    results: list[tuple[str, str]] | None
+    """Per input, in order: ("value", repr of the return value) or ("error", "Type: message"); None when the
+    function could not be imported or the run ended without a report (a crash, an exit, a timeout) or with one
+    that does not answer every input."""
+    import_error: str | None
+    """Why the function could not be imported ("Type: message"), when that is what happened."""
+    output: str
+    """What the run printed (stdout then stderr, truncated at output_bytes), and the sandbox's notes."""
+    run: RunResult
+    timed_out: bool

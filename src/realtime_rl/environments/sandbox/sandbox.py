@@ -11,6 +11,10 @@ with read-only tests and counts over the private pipe: the same counts as pytest
 functions and unittest classes, without importing pytest (~3x less CPU a run); for anything else it
 answers "fallback" and the run is repeated with pytest (`TestReport.fallback_reason` says why).
 `SandboxConfig.test_runner` picks the default.
+
+`run_calls` imports a module of the workspace and calls one function on each input, in a fresh sandbox, and
+returns the reprs of what it returned: grading compares them with expected values the sandbox never holds, so
+code that forges a test report (see the package's docstring) still has to compute every answer.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from realtime_rl.environments.sandbox.launch import (
     encode_files,
 )
 from realtime_rl.environments.sandbox.probe import Probe, probe_isolation
-from realtime_rl.environments.sandbox.results import IsolationLevel, RunResult, TestReport
+from realtime_rl.environments.sandbox.results import CallReport, IsolationLevel, RunResult, TestReport
 
 LIGHT_RUNNER_SOURCE = (Path(__file__).parent / "inside_warm.py").read_text()
+MAX_VALUE_CHARS = 32768
+"""The longest repr of a return value `run_calls` reports; a longer one is an error (no expected value is)."""
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", ".", "--noconftest",
                "--import-mode=append"]
 
@@ -56,9 +62,15 @@ def signal_of(exit_code: int | None) -> int | None:
 
 
 def parse_report(data: bytes) -> dict | None:
+    """The report a run wrote to its private pipe: one framed JSON object, or None (none, cut, two, not JSON:
+    the code under test can write to that pipe too)."""
     if len(data) < 8 or len(data) != 8 + struct.unpack(">Q", data[:8])[0]:
         return None
-    return json.loads(data[8:])
+    try:
+        report = json.loads(data[8:])
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
 
 
 class Sandbox:
@@ -135,6 +147,29 @@ class Sandbox:
         run, counts = launch({"mode": "pytest", "pytest_args": [*PYTEST_ARGS, *tests], "files": workspace})
         return make_report(run, counts, fallback_reason=reason)
 
+    def run_calls(self, files: Mapping[str, str | bytes], module: str, function: str, inputs: Sequence[str], *,
+                  timeout_s: float | None = None) -> CallReport:
+        """Import `module` (a module of `files`), call `function` on each of `inputs` (JSON texts, each decoded
+        afresh for its call) in a fresh sandbox, and return what each call returned (its repr) or raised."""
+        if not (module.isidentifier() and function.isidentifier()):
+            raise ValueError(f"module and function must be identifiers, got {module!r} and {function!r}")
+        if isinstance(inputs, str) or not all(isinstance(i, str) for i in inputs):
+            raise ValueError("inputs must be a list of JSON texts")
+        header = {"mode": "calls", "module": module, "function": function, "inputs": list(inputs),
+                  "max_value_chars": MAX_VALUE_CHARS, "files": b64_files(encode_files(files))}
+        process = SandboxProcess(self.probe, self.config, header, report=True)
+        outcome = process.communicate(b"", self.resolve_timeout(timeout_s), self.config.output_bytes)
+        run = self.result(outcome)
+        report = (parse_report(outcome.report) if run.exit_code == 0 else None) or {}
+        results, import_error = report.get("results"), report.get("import_error")
+        if not (isinstance(results, list) and len(results) == len(inputs) and all(
+                isinstance(r, list) and len(r) == 2 and r[0] in ("value", "error") and isinstance(r[1], str)
+                for r in results)):
+            results = None
+        return CallReport([(kind, text) for kind, text in results] if results is not None else None,
+                          import_error if isinstance(import_error, str) and results is None else None,
+                          run_output(run), run, run.timed_out)
+
 
 MIN_RUN_S = 0.1
 
@@ -145,14 +180,8 @@ def remaining(deadline: float) -> float:
     return max(MIN_RUN_S, deadline - time.monotonic())
 
 
-def make_report(run: RunResult, counts: dict | None, warm: bool = False,
-                fallback_reason: str | None = None) -> TestReport:
-    counts = counts or {}
-    passed, failed, errors, skipped = (int(counts.get(k, 0)) for k in ("passed", "failed", "errors", "skipped"))
-    # A skipped test is not a passed one: a solution that raises SkipTest (or calls pytest.skip) on the inputs it
-    # cannot handle must not be graded as solving them.
-    ok = (run.exit_code == 0 and counts.get("exit_code") == 0 and not run.timed_out
-          and passed >= 1 and failed == 0 and errors == 0 and skipped == 0)
+def run_output(run: RunResult) -> str:
+    """stdout, then stderr, then what the sandbox has to say (a timeout, truncation)."""
     output = run.stdout
     if run.stderr:
         output += ("" if not output or output.endswith("\n") else "\n") + run.stderr
@@ -160,6 +189,19 @@ def make_report(run: RunResult, counts: dict | None, warm: bool = False,
         output += "\n[sandbox] timed out; every process of the run was killed\n"
     if run.output_truncated:
         output += "\n[sandbox] output truncated\n"
-    return TestReport(passed=passed, failed=failed, errors=errors, ok=ok, output=output, run=run,
+    return output
+
+
+def make_report(run: RunResult, counts: dict | None, warm: bool = False,
+                fallback_reason: str | None = None) -> TestReport:
+    keys = ("passed", "failed", "errors", "skipped")
+    if not counts or not all(type(counts.get(k, 0)) is int and counts.get(k, 0) >= 0 for k in keys):
+        counts = {}  # none, or not counts (the code under test can write to the report pipe)
+    passed, failed, errors, skipped = (counts.get(k, 0) for k in keys)
+    # A skipped test is not a passed one: a solution that raises SkipTest (or calls pytest.skip) on the inputs it
+    # cannot handle must not be graded as solving them.
+    ok = (run.exit_code == 0 and counts.get("exit_code") == 0 and not run.timed_out
+          and passed >= 1 and failed == 0 and errors == 0 and skipped == 0)
+    return TestReport(passed=passed, failed=failed, errors=errors, ok=ok, output=run_output(run), run=run,
                       timed_out=run.timed_out, skipped=skipped, warm=warm,
                       fallback_reason=fallback_reason)
