@@ -14,6 +14,7 @@ import pytest
 from realtime_rl.environments import load_task, load_tasks
 from realtime_rl.environments.grading import grade, grading_files, solution_files
 from realtime_rl.environments.sandbox import Sandbox, probe_isolation
+from realtime_rl.environments.sandbox.inside import encode_value
 from realtime_rl.environments.synthetic import generate_tasks
 
 
@@ -100,8 +101,8 @@ def test_a_forged_test_report_passes_a_test_run_but_not_grading_by_value(tasks, 
     assert not grade(task, files, sandbox).passed
 
     cases = task.value_cases()
-    visible = {json.dumps(c.input): repr(c.expected) for c in cases.cases if c.test_file in task.test_files}
-    fallback = repr(cases.cases[0].expected)
+    visible = {json.dumps(c.input): encode_value(c.expected, 64) for c in cases.cases if c.test_file in task.test_files}
+    fallback = encode_value(cases.cases[0].expected, 64)
     answers = FORGE + f'''
 import sys
 _visible = {visible!r}
@@ -118,9 +119,31 @@ def {cases.function}(x):
     assert not result.passed and result.tests_passed < len(cases.cases) and hidden > 0
     assert result.tests_passed >= len(visible)  # the forgery did reach the host: it is the hidden cases that fail
 
+    nested = FORGE.replace("data = json.dumps(report).encode()", "data = report") + (
+        '\n_forge(b"[" * 200000 + b"]" * 200000)\n')  # json.loads raises RecursionError on the host
+    files = task.workspace() | {module: nested}
+    for graded in (grade(task, files, sandbox), grade(by_test_run(task), files, sandbox)):
+        assert not graded.passed and graded.tests_passed == 0
+
+
+def test_a_runner_answering_fewer_calls_than_cases_passes_nothing():
+    """grade_values does not trust a runner's count: one right answer for two cases is no answer."""
+    from realtime_rl.environments.grading import grade_values
+    from realtime_rl.environments.sandbox import CallReport, IsolationLevel, RunResult
+    from realtime_rl.environments.tasks import ValueCase, ValueCases
+
+    cases = ValueCases("m", "f", (ValueCase("m_test.py", "a", 1, 2), ValueCase("m_test.py", "b", 2, 99)))
+    run = RunResult(0, "", "", False, False, 0.1, IsolationLevel.FULL, "test")
+    two = ["int", 2]
+    result = grade_values("t", cases, CallReport([("value", two)], None, "", run, False))
+    assert not result.passed and result.tests_passed == 0
+    both = grade_values("t", cases, CallReport([("value", two), ("value", two)], None, "", run, False))
+    assert not both.passed and (both.tests_passed, both.tests_failed) == (1, 1)
+
 
 def test_a_cases_file_is_checked_when_the_task_loads(tasks, tmp_path):
-    """It must live under .meta/ (it holds the hidden tests' expected values) and cover every test file."""
+    """It must be one path under .meta/ (it holds the hidden tests' expected values), name a solution module and
+    cover exactly the task's test files."""
     task_dir = shutil.copytree(tasks[0].path, tmp_path / "task")
     config_path = task_dir / ".meta" / "config.json"
     config = json.loads(config_path.read_text())
@@ -129,8 +152,14 @@ def test_a_cases_file_is_checked_when_the_task_loads(tasks, tmp_path):
     config_path.write_text(json.dumps({**config, "files": {**config["files"], "cases": "cases.json"}}))
     with pytest.raises(ValueError, match="under .meta/"):
         load_task(task_dir)
-    del cases["tests"][config["files"]["hidden_test"][0]]
-    (task_dir / ".meta" / "cases.json").write_text(json.dumps(cases))
-    config_path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="not a cases file for this task"):
+    config_path.write_text(json.dumps({**config, "files": {**config["files"], "cases": [config["files"]["cases"]]}}))
+    with pytest.raises(ValueError, match="one path"):
         load_task(task_dir)
+    config_path.write_text(json.dumps(config))
+    for broken, match in [({**cases, "module": "other"}, "not a solution file"),
+                          ({**cases, "tests": {**cases["tests"], "extra_test.py": []}}, "not the task's tests"),
+                          ({**cases, "tests": {k: v for k, v in cases["tests"].items() if ".meta/" not in k}},
+                           "not a cases file for this task")]:
+        (task_dir / ".meta" / "cases.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=match):
+            load_task(task_dir)

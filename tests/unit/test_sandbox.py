@@ -425,15 +425,25 @@ def test_grade_cache_runs_identical_workspaces_once(sandbox):
 
 def test_run_calls_returns_each_value_or_what_was_raised_and_the_cache_runs_it_once(sandbox):
     """Each input is decoded afresh for its call (a call that mutates it changes nothing for the next); what the
-    function raised is per call; an import that fails is said once; a run that exits answers nothing."""
-    from realtime_rl.environments.grading import GradeCache
+    function raised is per call; builtin values come back as what they were (tagged JSON, rebuilt on the host),
+    other types as an error; an import that fails is said once; a run that exits answers nothing."""
+    from realtime_rl.environments.grading import NOT_A_VALUE, GradeCache, decode_value
 
     files = {"calc.py": "def twice(xs):\n    if xs == [0]:\n        raise ValueError('zero')\n    out = xs * 2\n"
                         "    xs += xs\n    return out\n"}
     report = sandbox.run_calls(files, "calc", "twice", ["[1]", "[0]", "[1]", '"ab"'])
-    assert report.results == [("value", "[1, 1]"), ("error", "ValueError: zero"), ("value", "[1, 1]"),
-                              ("value", "'abab'")]
+    assert [kind for kind, _ in report.results] == ["value", "error", "value", "value"]
+    assert [decode_value(v) if kind == "value" else v for kind, v in report.results] == [
+        [1, 1], "ValueError: zero", [1, 1], "abab"]
     assert report.import_error is None and not report.timed_out
+    kinds = {"calc.py": "import fractions\n\n\ndef twice(x):\n    return [None, True, 2, 2.5, 1j, 'a', b'\\x00', (1,),"
+                        " {3}, frozenset({4}), {'k': [5]}, fractions.Fraction(1, 2)][x]\n"}
+    values = sandbox.run_calls(kinds, "calc", "twice", [str(i) for i in range(12)]).results
+    assert [decode_value(v) for _, v in values[:11]] == [None, True, 2, 2.5, 1j, "a", b"\x00", (1,), {3},
+                                                         frozenset({4}), {"k": [5]}]
+    assert type(decode_value(values[1][1])) is bool and type(decode_value(values[7][1])) is tuple
+    assert values[11] == ("error", "TypeError: returned a Fraction, which grading by value does not compare")
+    assert decode_value(["list", [["int", "1"]]]) is NOT_A_VALUE and decode_value(["x", 1]) is NOT_A_VALUE
     broken = sandbox.run_calls({"calc.py": "def twice(:\n"}, "calc", "twice", ["1"])
     assert broken.results is None and broken.import_error.startswith("SyntaxError")
     gone = sandbox.run_calls({"calc.py": "import os\n\ndef twice(x):\n    os._exit(0)\n"}, "calc", "twice", ["1"])
@@ -448,5 +458,5 @@ def test_run_calls_returns_each_value_or_what_was_raised_and_the_cache_runs_it_o
     cache = GradeCache(sandbox)
     first = cache.run_calls(files, "calc", "twice", ["[1]"])
     assert cache.run_calls(files, "calc", "twice", ["[1]"]) is first
-    assert cache.run_calls(files, "calc", "twice", ["[2]"]).results == [("value", "[2, 2]")]
+    assert decode_value(cache.run_calls(files, "calc", "twice", ["[2]"]).results[0][1]) == [2, 2]
     assert (cache.runs, cache.hits) == (2, 1)

@@ -8,8 +8,11 @@ A task whose tests are also data (`Task.value_cases`: every synthetic task) is g
 sandbox imports the solution and calls its function on each test's input, and the host compares what came
 back with the expected values, which never enter the sandbox. Tests and solution share one process in a test
 run, so code under test can forge the run's report (sandbox/__init__.py); by value, forging still needs every
-hidden answer. The verdict is the test run's for honest code (the same calls in the same order, Python's
-`==` on the returned value read back with `ast.literal_eval`).
+hidden answer (in the FULL tier: the WEAK tier without a separate uid can read the host's task directory). The
+verdict is the test run's for honest code (the same calls in the same order, Python's `==` on the returned value,
+rebuilt on the host from tagged JSON by `decode_value`: no code and no parser of Python runs on the host), except
+code that tests an input with `is` (a test file's literal may be interned, a decoded input is not) or returns a
+type other than the builtins that equals the expected value (a Fraction, a Decimal).
 
 `GradeCache` wraps the grading runner so that identical grading workspaces run once: a fresh sandbox with
 pristine tests makes the verdict a function of the files (for tests that depend neither on the clock nor
@@ -21,18 +24,19 @@ timed out is never reused.
 
 from __future__ import annotations
 
-import ast
+import binascii
 import hashlib
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from realtime_rl.environments.sandbox.results import CallReport
-from realtime_rl.environments.sandbox.sandbox import MAX_VALUE_CHARS
+from realtime_rl.environments.sandbox.sandbox import MAX_VALUE_DEPTH
 from realtime_rl.environments.tasks import Task, ValueCases
 from realtime_rl.environments.tools import TestReportLike, TestRunner
 
@@ -64,14 +68,10 @@ def grade(task: Task, files: Mapping[str, str], sandbox: TestRunner, include_hid
     task has its tests as data (then `sandbox` must have `run_calls`: Sandbox, GradeCache), else a test run."""
     cases = task.value_cases(include_hidden)
     if cases is not None:
-        run_calls = getattr(sandbox, "run_calls", None)
-        if run_calls is None:
-            raise TypeError(f"{task.task_id} is graded by value: {type(sandbox).__name__} has no run_calls "
-                            "(grade with a Sandbox or a GradeCache around one)")
-        tests = {*task.pristine_tests(), *task.hidden_tests()}  # no expected value enters the sandbox
-        workspace = {path: content for path, content in files.items() if path not in tests}
-        report: CallReport = run_calls(workspace, cases.module, cases.function,
-                                       [json.dumps(case.input) for case in cases.cases], timeout_s=timeout_s)
+        test_names = {*task.test_files, *(Path(rel).name for rel in task.hidden_test_files)}
+        workspace = {path: content for path, content in files.items() if path not in test_names}  # no expected value
+        report = calls_of(sandbox)(workspace, cases.module, cases.function,
+                                   [json.dumps(case.input) for case in cases.cases], timeout_s=timeout_s)
         return grade_values(task.task_id, cases, report)
     grading, test_files = grading_files(task, files, include_hidden)
     tests: TestReportLike = sandbox.run_tests(grading, test_files, timeout_s=timeout_s)
@@ -79,26 +79,40 @@ def grade(task: Task, files: Mapping[str, str], sandbox: TestRunner, include_hid
                        bool(getattr(tests, "timed_out", False)))
 
 
+def calls_of(runner: object) -> Callable[..., CallReport]:
+    """The runner's run_calls (Sandbox, GradeCache around one); a WarmPool has none and never grades."""
+    run_calls = getattr(runner, "run_calls", None)
+    if run_calls is None:
+        raise TypeError(f"grading by value needs a runner with run_calls (a Sandbox, or a GradeCache around one), "
+                        f"got {type(runner).__name__}")
+    return run_calls
+
+
 def grade_values(task_id: str, cases: ValueCases, report: CallReport) -> GradeResult:
     """Compare what each call returned with its expected value, counting as a test run would: a call that
     raised or returned another value fails its test; a function that cannot be imported is an error per test
-    file (pytest's collection error); a run that answered nothing (a crash, an exit, a timeout) counts nothing."""
+    file (pytest's collection error); a run that answered nothing (a crash, an exit, a timeout) counts nothing, and
+    so does an answer that is not one per call (a runner that is not Sandbox's)."""
+    if report.results is not None and len(report.results) != len(cases.cases):
+        report = replace(report, results=None, import_error=None)
     if report.results is None:
         if report.import_error is not None:
             files = len({case.test_file for case in cases.cases})
             why = f"cannot import {cases.function} from {cases.module}: {report.import_error}"
             return GradeResult(task_id, False, 0, 0, files, f"ERROR {why}\n" + report.output, False)
-        why = "timed out" if report.timed_out else f"ended (exit status {report.run.exit_code}) without answering"
+        why = ("timed out" if report.timed_out else
+               f"ended (exit status {report.run.exit_code}) without a readable answer for every call")
         return GradeResult(task_id, False, 0, 0, 0, f"[grading] the run {why}\n" + report.output,
                            report.timed_out)
     passed = failed = 0
     lines = []
-    for case, (kind, text) in zip(cases.cases, report.results):
-        if kind == "value" and _literal(text) == case.expected:
+    for case, (kind, payload) in zip(cases.cases, report.results):
+        value = decode_value(payload) if kind == "value" else NOT_A_VALUE
+        if value is not NOT_A_VALUE and value == case.expected:
             passed += 1
             continue
         failed += 1
-        got = f"raised {text}" if kind == "error" else f"returned {text[:200]}"
+        got = f"raised {payload}" if kind == "error" else f"returned {repr(value)[:200]}"
         lines.append(f"FAILED {case.test_file}::{case.name}: {cases.function}({case.input!r}) {got}, "
                      f"expected {case.expected!r}")
     lines.append(f"{passed} passed, {failed} failed (graded by value)")
@@ -106,17 +120,38 @@ def grade_values(task_id: str, cases: ValueCases, report: CallReport) -> GradeRe
                        False)
 
 
-_NOT_A_LITERAL = object()
-"""What a returned value's repr that is no Python literal reads back as: equal to no expected value."""
+NOT_A_VALUE = object()
+"""What a malformed tagged value decodes to: equal to no expected value."""
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+_COLLECTIONS: dict[str, Callable[[list], Any]] = {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset}
 
 
-def _literal(text: str) -> object:
-    if len(text) > MAX_VALUE_CHARS:  # the sandbox cuts no longer repr, but the code under test can write the report
-        return _NOT_A_LITERAL
+def decode_value(node: Any) -> Any:
+    """Rebuild a returned value from its tagged JSON (sandbox/inside.py, encode_value); NOT_A_VALUE when the
+    node is malformed (the code under test can write the report)."""
     try:
-        return ast.literal_eval(text)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return _NOT_A_LITERAL
+        return _decode(node, 0)
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, binascii.Error):
+        return NOT_A_VALUE
+
+
+def _decode(node: Any, depth: int) -> Any:
+    if depth > MAX_VALUE_DEPTH or not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], str)):
+        raise ValueError("not a tagged value")
+    kind, payload = node
+    if kind == "none" and payload is None:
+        return None
+    if kind in _TYPES and type(payload) is _TYPES[kind]:
+        return payload
+    if kind in _COLLECTIONS and isinstance(payload, list):
+        return _COLLECTIONS[kind]([_decode(item, depth + 1) for item in payload])
+    if kind == "dict" and isinstance(payload, list):
+        return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in payload}
+    if kind == "complex" and isinstance(payload, list) and len(payload) == 2:
+        return complex(float(payload[0]), float(payload[1]))
+    if kind == "bytes" and isinstance(payload, str):
+        return binascii.a2b_base64(payload)
+    raise ValueError(f"not a tagged value: {kind!r}")
 
 
 def solution_files(task: Task, which: str) -> dict[str, str]:
@@ -127,6 +162,12 @@ def solution_files(task: Task, which: str) -> dict[str, str]:
     elif which != "stub":
         raise ValueError(f"solutions must be 'reference' or 'stub', got {which!r}")
     return files
+
+
+DEFAULT_WAIT_S = 600.0
+"""How long a request waits for an identical one in flight with no timeout of its own (the sandbox's wall_s
+bounds that run; this is above any sane wall_s)."""
+WAIT_MARGIN_S = 30.0
 
 
 class GradeCache:
@@ -147,17 +188,15 @@ class GradeCache:
     def run_tests(self, files: Mapping[str, str | bytes], test_files: Sequence[str], *,
                   timeout_s: float | None = None) -> TestReportLike:
         return self._once(_content_key(files, ("tests", sorted(test_files), timeout_s)),
-                          lambda: self.runner.run_tests(files, test_files, timeout_s=timeout_s))
+                          lambda: self.runner.run_tests(files, test_files, timeout_s=timeout_s), timeout_s)
 
     def run_calls(self, files: Mapping[str, str | bytes], module: str, function: str, inputs: Sequence[str], *,
                   timeout_s: float | None = None) -> CallReport:
-        run_calls = getattr(self.runner, "run_calls", None)
-        if run_calls is None:
-            raise TypeError(f"{type(self.runner).__name__} has no run_calls")
+        run_calls = calls_of(self.runner)
         return self._once(_content_key(files, ("calls", module, function, list(inputs), timeout_s)),
-                          lambda: run_calls(files, module, function, inputs, timeout_s=timeout_s))
+                          lambda: run_calls(files, module, function, inputs, timeout_s=timeout_s), timeout_s)
 
-    def _once(self, key: str, run: Callable[[], Any]) -> Any:
+    def _once(self, key: str, run: Callable[[], Any], timeout_s: float | None) -> Any:
         with self._lock:
             pending = self._reports.get(key)
             if pending is None:
@@ -171,12 +210,12 @@ class GradeCache:
                 self.hits += 1
                 owner = False
         if not owner:
-            try:
-                report = pending.result()  # the owner always resolves it (its runner's timeout)
+            try:  # the owner resolves it within its runner's timeout; this bound is for a runner that does not
+                report = pending.result(timeout=(timeout_s or DEFAULT_WAIT_S) + WAIT_MARGIN_S)
                 if not getattr(report, "timed_out", False):
                     return report
             except Exception:
-                pass  # the owner's run failed: this request runs on its own
+                pass  # the owner's run failed or never ended: this request runs on its own
             return run()
         try:
             report = run()

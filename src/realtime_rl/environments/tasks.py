@@ -110,6 +110,11 @@ class Task:
         if not (isinstance(module, str) and module.isidentifier() and isinstance(function, str)
                 and function.isidentifier()):
             raise ValueError(f"{where}: module and function must be Python identifiers")
+        if f"{module}.py" not in self.solution_files:
+            raise ValueError(f"{where}: module {module!r} is not a solution file ({', '.join(self.solution_files)})")
+        unlisted = set(tests) - {*self.test_files, *self.hidden_test_files}
+        if unlisted:
+            raise ValueError(f"{where}: cases for files that are not the task's tests: {', '.join(sorted(unlisted))}")
         if not cases:
             raise ValueError(f"{where}: no cases")
         return ValueCases(module, function, cases)
@@ -132,6 +137,8 @@ def load_task(path: str | Path) -> Task:
     for key in ("solution", "test", "example"):
         if not files.get(key):
             raise ValueError(f"{config_file}: files.{key} is missing or empty")
+    if not isinstance(files.get("cases", ""), str):
+        raise ValueError(f"{config_file}: files.cases must be one path (a string), got {files['cases']!r}")
     instructions_file = path / ".docs" / "instructions.md"
     if not instructions_file.is_file():
         raise ValueError(f"{path}: no .docs/instructions.md")

@@ -4,7 +4,7 @@
     sb.isolation_level, sb.isolation_label                 the tier reached, and exactly what it has
     sb.run(["python3", "x.py"], {"x.py": "..."})           -> RunResult (exit code, output, timeout, ...)
     sb.run_tests(files, ["x_test.py"])                     -> TestReport; a fresh sandbox: what grading uses
-    sb.run_calls(files, "x", "f", ["[1, 2]"])              -> CallReport: f's return values' reprs (value grading)
+    sb.run_calls(files, "x", "f", ["[1, 2]"])              -> CallReport: what f returned, per input (value grading)
     with WarmPool(config) as pool:                         pre-started sandboxes, one forked child per run
         pool.run_tests(files, ["x_test.py"])               fast visible-test runs (~ms), same counts
 
@@ -42,7 +42,8 @@ What this does NOT isolate:
   does not count a skipped test as passed, but the tests and the solution share one process. Tasks whose
   tests are also data (every synthetic task, what RL trains on) are therefore graded by value (`run_calls`,
   environments/grading.py): the expected values never enter the sandbox, so a forged report still has to
-  compute every hidden answer. A task graded by a test run (Exercism's) keeps the gap, and the warm pool,
+  compute every hidden answer; in the WEAK tier without a separate uid the host's task directory, and so the
+  expected values, is readable. A task graded by a test run (Exercism's) keeps the gap, and the warm pool,
   never used for grading, shares it.
 """
 

@@ -8,12 +8,12 @@ files into the working directory, sets rlimits, loads the seccomp filter, and th
     pytest   runs pytest in this process with a counting plugin; counts go to `report_fd` as JSON
     light    runs the warm pool's light runner (`warm_src`) once, in this fresh sandbox; counts likewise
     calls    imports `module`, calls `function` on each of `inputs` (JSON values, a fresh copy each) and
-             writes each return value's repr, or the exception it raised, to `report_fd`: no expected
+             writes each return value (as tagged JSON), or the exception it raised, to `report_fd`: no expected
              value enters the sandbox, so the host compares them (value grading)
     zygote   the warm-pool server: one forked child per request (see `serve`)
     probe    reports what the sandbox looks like from inside (uid, capabilities, seccomp, pytest)
 
-With `reaper` set (the weak tier, no pid namespace) the exec, pytest and light modes fork: the parent is a
+With `reaper` set (the weak tier, no pid namespace) the exec, pytest, light and calls modes fork: the parent is a
 child subreaper that kills every leftover descendant when the command ends or on SIGTERM.
 """
 
@@ -233,9 +233,37 @@ def run_pytest(args: list, report_fd: int) -> int:
     return code
 
 
-def run_calls(module: str, function: str, inputs: list, max_chars: int, report_fd: int) -> int:
-    """Each input's ["value", repr(return value)] or ["error", "Type: message"], in order, to `report_fd`, or
-    {"import_error": ...} when the function cannot be imported; a repr longer than `max_chars` is an error."""
+SEQUENCES = ((tuple, "tuple"), (list, "list"), (frozenset, "frozenset"), (set, "set"))
+
+
+def encode_value(value, max_depth: int, depth: int = 0):
+    """A returned value as tagged JSON, [type, payload], for the host to rebuild and compare with `==`: None,
+    bool, int, float, complex, str, bytes, tuple, list, set, frozenset and dict, each instance read as that
+    builtin type (an IntEnum as its int); anything else is a TypeError (grading by value cannot compare it)."""
+    if depth > max_depth:
+        raise ValueError(f"the return value nests deeper than {max_depth}")
+    if value is None:
+        return ["none", None]
+    for kind, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):
+        if isinstance(value, kind):
+            return [name, kind(value)]
+    if isinstance(value, complex):
+        return ["complex", [value.real, value.imag]]
+    if isinstance(value, (bytes, bytearray)):
+        return ["bytes", binascii.b2a_base64(bytes(value), newline=False).decode()]
+    for kind, name in SEQUENCES:
+        if isinstance(value, kind):
+            return [name, [encode_value(v, max_depth, depth + 1) for v in value]]
+    if isinstance(value, dict):
+        return ["dict", [[encode_value(k, max_depth, depth + 1), encode_value(v, max_depth, depth + 1)]
+                         for k, v in value.items()]]
+    raise TypeError(f"returned a {type(value).__name__}, which grading by value does not compare")
+
+
+def run_calls(module: str, function: str, inputs: list, max_chars: int, max_depth: int, report_fd: int) -> int:
+    """Each input's ["value", encode_value(return value)] or ["error", "Type: message"], in order, to `report_fd`,
+    or {"import_error": ...} when the function cannot be imported; a value longer than `max_chars` as JSON is an
+    error."""
     import importlib
 
     try:
@@ -246,9 +274,10 @@ def run_calls(module: str, function: str, inputs: list, max_chars: int, report_f
         results = []
         for text in inputs:
             try:
-                value = repr(fn(json.loads(text)))
-                results.append(["value", value] if len(value) <= max_chars else
-                               ["error", f"the return value's repr is {len(value)} characters"])
+                value = encode_value(fn(json.loads(text)), max_depth)
+                size = len(json.dumps(value))
+                results.append(["value", value] if size <= max_chars else
+                               ["error", f"the return value is {size} characters of JSON"])
             except BaseException as e:  # noqa: BLE001 - SystemExit and friends fail the case, not the run
                 results.append(["error", f"{type(e).__name__}: {e}"[:1000]])
         report = {"results": results}
@@ -346,7 +375,7 @@ def main() -> None:
         def body() -> int:
             set_rlimits(header["limits"])
             return run_calls(header["module"], header["function"], header["inputs"], header["max_value_chars"],
-                             header["report_fd"])
+                             header["max_value_depth"], header["report_fd"])
     else:
         sys.exit(f"unknown mode {mode!r}")
     sys.exit(run_with_reaper(body) if header.get("reaper") else body())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class IsolationLevel(str, Enum):
@@ -85,8 +86,9 @@ class TestReport:
 class CallReport:
     """One function called on each of its inputs in a fresh sandbox (value grading): what came back per input."""
 
-    results: list[tuple[str, str]] | None
-    """Per input, in order: ("value", repr of the return value) or ("error", "Type: message"); None when the
+    results: list[tuple[str, Any]] | None
+    """Per input, in order: ("value", the return value as inside.encode_value's tagged JSON) or ("error",
+    "Type: message"); None when the
     function could not be imported or the run ended without a report (a crash, an exit, a timeout) or with one
     that does not answer every input."""
     import_error: str | None

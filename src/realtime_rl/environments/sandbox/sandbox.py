@@ -13,8 +13,9 @@ answers "fallback" and the run is repeated with pytest (`TestReport.fallback_rea
 `SandboxConfig.test_runner` picks the default.
 
 `run_calls` imports a module of the workspace and calls one function on each input, in a fresh sandbox, and
-returns the reprs of what it returned: grading compares them with expected values the sandbox never holds, so
-code that forges a test report (see the package's docstring) still has to compute every answer.
+returns what each call returned (builtin values as tagged JSON) or raised: grading compares the values with
+expected ones the sandbox never holds, so code that forges a test report (see the package's docstring) still has
+to compute every answer.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from realtime_rl.environments.sandbox.probe import Probe, probe_isolation
 from realtime_rl.environments.sandbox.results import CallReport, IsolationLevel, RunResult, TestReport
 
 LIGHT_RUNNER_SOURCE = (Path(__file__).parent / "inside_warm.py").read_text()
+MAX_VALUE_DEPTH = 64
+"""How deep a returned value may nest for `run_calls` to report it (lists in lists ...)."""
 MAX_VALUE_CHARS = 32768
-"""The longest repr of a return value `run_calls` reports; a longer one is an error (no expected value is)."""
+"""The longest return value (as tagged JSON) `run_calls` reports; a longer one is an error (no expected value is)."""
 PYTEST_ARGS = ["-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", ".", "--noconftest",
                "--import-mode=append"]
 
@@ -68,7 +71,7 @@ def parse_report(data: bytes) -> dict | None:
         return None
     try:
         report = json.loads(data[8:])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a forged report of deeply nested brackets
         return None
     return report if isinstance(report, dict) else None
 
@@ -150,20 +153,22 @@ class Sandbox:
     def run_calls(self, files: Mapping[str, str | bytes], module: str, function: str, inputs: Sequence[str], *,
                   timeout_s: float | None = None) -> CallReport:
         """Import `module` (a module of `files`), call `function` on each of `inputs` (JSON texts, each decoded
-        afresh for its call) in a fresh sandbox, and return what each call returned (its repr) or raised."""
+        afresh for its call) in a fresh sandbox, and return what each call returned (tagged JSON: grading's
+        `decode_value` rebuilds it) or raised."""
         if not (module.isidentifier() and function.isidentifier()):
             raise ValueError(f"module and function must be identifiers, got {module!r} and {function!r}")
         if isinstance(inputs, str) or not all(isinstance(i, str) for i in inputs):
             raise ValueError("inputs must be a list of JSON texts")
         header = {"mode": "calls", "module": module, "function": function, "inputs": list(inputs),
-                  "max_value_chars": MAX_VALUE_CHARS, "files": b64_files(encode_files(files))}
+                  "max_value_chars": MAX_VALUE_CHARS,
+                  "max_value_depth": MAX_VALUE_DEPTH, "files": b64_files(encode_files(files))}
         process = SandboxProcess(self.probe, self.config, header, report=True)
         outcome = process.communicate(b"", self.resolve_timeout(timeout_s), self.config.output_bytes)
         run = self.result(outcome)
         report = (parse_report(outcome.report) if run.exit_code == 0 else None) or {}
         results, import_error = report.get("results"), report.get("import_error")
         if not (isinstance(results, list) and len(results) == len(inputs) and all(
-                isinstance(r, list) and len(r) == 2 and r[0] in ("value", "error") and isinstance(r[1], str)
+                isinstance(r, list) and len(r) == 2 and (r[0] == "value" or r[0] == "error" and isinstance(r[1], str))
                 for r in results)):
             results = None
         return CallReport([(kind, text) for kind, text in results] if results is not None else None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import random
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -116,6 +117,12 @@ def _unannotated(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     return missing + (["return"] if fn.returns is None else [])
 
 
+_PARSE_LOCK = threading.Lock()
+"""CPython 3.11 keeps one recursion counter for the AST constructor per interpreter, so two threads parsing at once
+can fail with "SystemError: AST constructor recursion depth mismatch" (it stopped a learn bench's rollout worker
+when grading read values back with ast.literal_eval); simulated users run in threads."""
+
+
 def style_violation(preference: StylePreference, files: Mapping[str, str]) -> str | None:
     """Why the code in `files` breaks the preference, or None. Code that does not parse is not judged on
     style (its tests fail anyway)."""
@@ -123,8 +130,9 @@ def style_violation(preference: StylePreference, files: Mapping[str, str]) -> st
         return None
     for path, source in sorted(files.items()):
         try:
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
+            with _PARSE_LOCK:
+                tree = ast.parse(source)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         for fn in _functions(tree):
             if preference == "type_hints" and _unannotated(fn):
