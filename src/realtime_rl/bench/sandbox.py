@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from realtime_rl.config import SandboxConfig
+from realtime_rl.environments.grading import decode_value
 from realtime_rl.environments.sandbox import Sandbox, WarmPool
 from realtime_rl.environments.sandbox.escapes import Bait, run_battery
 
@@ -151,7 +152,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     solution = {"isogram.py": SOLUTION}
     inputs = [json.dumps(text) for text, _ in CALLS]
     called = sandbox.run_calls(solution, "isogram", "is_isogram", inputs)
-    if called.results != [("value", repr(expected)) for _, expected in CALLS]:
+    if called.results is None or [decode_value(v) for _, v in called.results] != [want for _, want in CALLS]:
         raise RuntimeError(f"the benchmark task's calls did not all return the expected values:\n{called}")
     cold_calls, cold_calls_cpu_s = _timed_with_cpu(
         lambda: sandbox.run_calls(solution, "isogram", "is_isogram", inputs), n_cold)
