@@ -436,11 +436,13 @@ def test_run_calls_returns_each_value_or_what_was_raised_and_the_cache_runs_it_o
     assert [decode_value(v) if kind == "value" else v for kind, v in report.results] == [
         [1, 1], "ValueError: zero", [1, 1], "abab"]
     assert report.import_error is None and not report.timed_out
-    kinds = {"calc.py": "import fractions\n\n\ndef twice(x):\n    return [None, True, 2, 2.5, 1j, 'a', b'\\x00', (1,),"
-                        " {3}, frozenset({4}), {'k': [5]}, fractions.Fraction(1, 2)][x]\n"}
-    values = sandbox.run_calls(kinds, "calc", "twice", [str(i) for i in range(12)]).results
+    kinds = {"calc.py": "import enum, fractions\n\n\nclass E(str, enum.Enum):\n    A = 'a'\n\n\n"
+                        "def twice(x):\n    return [None, True, 2, 2.5, 1j, 'a', b'\\x00', (1,),"
+                        " {3}, frozenset({4}), {'k': [5]}, fractions.Fraction(1, 2), E.A][x]\n"}
+    values = sandbox.run_calls(kinds, "calc", "twice", [str(i) for i in range(13)]).results
     assert [decode_value(v) for _, v in values[:11]] == [None, True, 2, 2.5, 1j, "a", b"\x00", (1,), {3},
                                                          frozenset({4}), {"k": [5]}]
+    assert decode_value(values[12][1]) == "a"  # a str Enum member is its value, as a test's == sees it
     assert type(decode_value(values[1][1])) is bool and type(decode_value(values[7][1])) is tuple
     assert values[11] == ("error", "TypeError: returned a Fraction, which grading by value does not compare")
     assert decode_value(["list", [["int", "1"]]]) is NOT_A_VALUE and decode_value(["x", 1]) is NOT_A_VALUE

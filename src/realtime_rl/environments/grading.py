@@ -112,7 +112,8 @@ def grade_values(task_id: str, cases: ValueCases, report: CallReport) -> GradeRe
             passed += 1
             continue
         failed += 1
-        got = f"raised {payload}" if kind == "error" else f"returned {repr(value)[:200]}"
+        got = (f"raised {payload}" if kind == "error" else "returned a malformed value" if value is NOT_A_VALUE
+               else f"returned {repr(value)[:200]}")
         lines.append(f"FAILED {case.test_file}::{case.name}: {cases.function}({case.input!r}) {got}, "
                      f"expected {case.expected!r}")
     lines.append(f"{passed} passed, {failed} failed (graded by value)")
@@ -164,9 +165,9 @@ def solution_files(task: Task, which: str) -> dict[str, str]:
     return files
 
 
-DEFAULT_WAIT_S = 600.0
+DEFAULT_WAIT_S = 3600.0
 """How long a request waits for an identical one in flight with no timeout of its own (the sandbox's wall_s
-bounds that run; this is above any sane wall_s)."""
+bounds that run; this is SandboxConfig.wall_s's largest allowed value)."""
 WAIT_MARGIN_S = 30.0
 
 

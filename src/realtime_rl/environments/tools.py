@@ -35,7 +35,8 @@ class TestReportLike(Protocol):
 
 
 class TestRunner(Protocol):
-    """What run_tests needs: the sandbox's Sandbox or WarmPool satisfy it."""
+    """What run_tests needs: the sandbox's Sandbox or WarmPool satisfy it. Grading a task with value cases also
+    needs `run_calls` (Sandbox, GradeCache): grading.grade says so when it is missing."""
 
     def run_tests(self, files: Mapping[str, str | bytes], test_files: Sequence[str], *,
                   timeout_s: float | None = None) -> TestReportLike: ...

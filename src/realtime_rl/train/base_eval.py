@@ -82,7 +82,7 @@ def heldout_pass_at_1(checkpoint: str | Path, num_tasks: int = 120, max_difficul
     pair up task by task on the same random numbers, and one checkpoint evaluated twice scores the same.
 
     Returns pass_at_1, passed, tasks, ci95 (Wilson), by_difficulty {d: pass_at_1}, by_input_type {d: {input type:
-    [passed, tasks]}} (integer lists, naturals, text: held-out text fails most), ended_by counts, mean
+    [passed, tasks]}} (integer lists, naturals, text: difficulty-2 text fails most), ended_by counts, mean
     turns, malformed tool calls, failed submits (submitted and failed the tests), the wall time and
     per_task (one EpisodeOutcome dict per task: task_id, seed, passed, ended_by, turns, first_write (the
     text the first reply wrote), ..., with its structure and first_write_kind).

@@ -233,6 +233,10 @@ def run_pytest(args: list, report_fd: int) -> int:
     return code
 
 
+BUILTINS = ((bool, "bool", bool), (int, "int", int.__int__), (float, "float", float.__float__),
+            (str, "str", str.__str__))
+"""The scalar types, each with how to read an instance as exactly that type (a subclass's own __str__ is not
+asked: a str Enum member's value is what a test's == compares)."""
 SEQUENCES = ((tuple, "tuple"), (list, "list"), (frozenset, "frozenset"), (set, "set"))
 
 
@@ -244,9 +248,9 @@ def encode_value(value, max_depth: int, depth: int = 0):
         raise ValueError(f"the return value nests deeper than {max_depth}")
     if value is None:
         return ["none", None]
-    for kind, name in ((bool, "bool"), (int, "int"), (float, "float"), (str, "str")):
+    for kind, name, plain in BUILTINS:
         if isinstance(value, kind):
-            return [name, kind(value)]
+            return [name, plain(value)]
     if isinstance(value, complex):
         return ["complex", [value.real, value.imag]]
     if isinstance(value, (bytes, bytearray)):
