@@ -88,9 +88,8 @@ class CallReport:
 
     results: list[tuple[str, Any]] | None
     """Per input, in order: ("value", the return value as inside.encode_value's tagged JSON) or ("error",
-    "Type: message"); None when the
-    function could not be imported or the run ended without a report (a crash, an exit, a timeout) or with one
-    that does not answer every input."""
+    "Type: message"); None when the function could not be imported or the run ended without a report (a crash,
+    an exit, a timeout) or with one that does not answer every input."""
     import_error: str | None
     """Why the function could not be imported ("Type: message"), when that is what happened."""
     output: str

@@ -160,8 +160,8 @@ class Sandbox:
         if isinstance(inputs, str) or not all(isinstance(i, str) for i in inputs):
             raise ValueError("inputs must be a list of JSON texts")
         header = {"mode": "calls", "module": module, "function": function, "inputs": list(inputs),
-                  "max_value_chars": MAX_VALUE_CHARS,
-                  "max_value_depth": MAX_VALUE_DEPTH, "files": b64_files(encode_files(files))}
+                  "max_value_chars": MAX_VALUE_CHARS, "max_value_depth": MAX_VALUE_DEPTH,
+                  "files": b64_files(encode_files(files))}
         process = SandboxProcess(self.probe, self.config, header, report=True)
         outcome = process.communicate(b"", self.resolve_timeout(timeout_s), self.config.output_bytes)
         run = self.result(outcome)
@@ -171,7 +171,7 @@ class Sandbox:
                 isinstance(r, list) and len(r) == 2 and (r[0] == "value" or r[0] == "error" and isinstance(r[1], str))
                 for r in results)):
             results = None
-        return CallReport([(kind, text) for kind, text in results] if results is not None else None,
+        return CallReport([(kind, payload) for kind, payload in results] if results is not None else None,
                           import_error if isinstance(import_error, str) and results is None else None,
                           run_output(run), run, run.timed_out)
 
