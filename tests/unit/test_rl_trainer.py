@@ -16,7 +16,7 @@ from realtime_rl.config import RLConfig
 from realtime_rl.engine import Engine, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM
 from realtime_rl.rollout import StalenessBuffer, TrajectoryLog
-from realtime_rl.train import RLTrainer
+from realtime_rl.train import RLTrainer, episode_reward
 from realtime_rl.train.packing import pack_micro_batches
 from realtime_rl.train.rl import (
     CALL_OVERHEAD_TOKENS,
@@ -344,6 +344,30 @@ def test_pass_at_k_trains_only_groups_where_some_k_episodes_all_fail(tmp_path):
     assert metrics["train/trained_sequences"] == 16  # the groups with 2 and 4 passes
     with pytest.raises(ValueError, match="leave_one_out"):
         RLConfig(pass_at_k=4, leave_one_out=True)
+
+
+def test_partial_credit_ranks_failures_by_the_tests_they_passed_and_never_above_a_pass(tmp_path):
+    def graded(passed: bool, counts: tuple[int, int, int] | None, malformed: int = 0) -> Episode:
+        metadata = {} if counts is None else dict(zip(("tests_passed", "tests_failed", "tests_errors"), counts))
+        return Episode("e", "t", [], "submit", 1, 1, malformed, 0, passed=passed, metadata=metadata)
+
+    assert episode_reward(graded(False, (6, 2, 0))) == 0.0  # off: pass or fail only
+    assert episode_reward(graded(False, (6, 2, 0)), partial_credit=0.5) == pytest.approx(0.375)
+    assert episode_reward(graded(False, (0, 0, 1)), partial_credit=0.5) == 0.0  # an import error passes nothing
+    assert episode_reward(graded(False, None), partial_credit=0.5) == 0.0  # a run that answered nothing
+    assert episode_reward(graded(False, (9, 1, 0), malformed=1), 0.5, 0.5) == pytest.approx(-0.05)
+    assert episode_reward(graded(True, (10, 0, 0)), partial_credit=0.5) == 1.0
+    with pytest.raises(ValueError):
+        RLConfig(partial_credit=1.0)  # a failure worth a pass
+
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    trainer = RLTrainer(_model(), None, RLConfig(group_size=8, partial_credit=0.5), tmp_path)
+    engine.update_weights(trainer.weights(), 0)
+    episodes = [dataclasses.replace(e, passed=False, metadata={"tests_passed": int(e.episode_id[-1]) % 2,
+                                                              "tests_failed": 1})
+                for e in _episodes(engine, 0)]
+    metrics = trainer.step(episodes)  # no group passes; each has failures that pass a test and ones that do not
+    assert metrics["train/groups_with_signal"] == 4 and metrics["train/trained_sequences"] == 32
 
 
 def test_entropy_coef_trains_every_episode_and_a_negative_one_sharpens_the_policy(tmp_path):

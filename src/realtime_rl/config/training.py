@@ -194,6 +194,9 @@ class RLConfig(StrictModel):
     150 on CPU; on a GPU, never cut (train/rl.py)."""
     malformed_penalty: float = Field(0.0, ge=0.0, le=10.0)
     """Subtracted from an episode's reward per malformed tool call."""
+    partial_credit: float = Field(0.0, ge=0.0, lt=1.0)
+    """A failed episode's reward for the tests it passed: partial_credit x passed / (passed + failed + errors) of
+    the grading run (hidden tests included), below a pass's 1 however many pass. 0: pass or fail only."""
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
     """Where the trainer's weights, AdamW state and forward/backward live: cpu, cuda or cuda:N."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -154,7 +154,8 @@ class RolloutWorker:
             episode = result.episode
             episode.group_id, episode.passed = job.group_id, g.passed
             episode.metadata.update(started_version=job.started_version, worker=self.worker_id,
-                                    tests_passed=g.tests_passed, tests_failed=g.tests_failed)
+                                    tests_passed=g.tests_passed, tests_failed=g.tests_failed,
+                                    tests_errors=g.errors)
             with self._lock:
                 self.generated_tokens += episode.num_generated
                 times = self._episode_s

@@ -84,14 +84,19 @@ SHARED_RUN_MIN_TOKENS = {"cpu": 16, "gpu": sys.maxsize}
 CALL_OVERHEAD_TOKENS = {"cpu": 150, "gpu": sys.maxsize}
 
 
-def episode_reward(episode: Episode, malformed_penalty: float = 0.0) -> float:
-    """The offline reward: 1 if the graded workspace passes (hidden tests included), minus a penalty
-    per malformed tool call. The episode's own `reward` wins when a reward stage already set it."""
+def episode_reward(episode: Episode, malformed_penalty: float = 0.0, partial_credit: float = 0.0) -> float:
+    """The offline reward: 1 if the graded workspace passes (hidden tests included), else partial_credit times
+    the fraction of its tests that passed (the worker records the counts in `metadata`), minus a penalty per
+    malformed tool call. The episode's own `reward` wins when a reward stage already set it."""
     if episode.reward is not None:
         return float(episode.reward)
     if episode.passed is None:
         raise ValueError(f"episode {episode.episode_id} was never graded (passed and reward are both unset)")
-    return float(episode.passed) - malformed_penalty * episode.malformed_tool_calls
+    score = float(episode.passed)
+    if partial_credit and not episode.passed:
+        counts = [episode.metadata.get(k, 0) for k in ("tests_passed", "tests_failed", "tests_errors")]
+        score = partial_credit * counts[0] / sum(counts) if sum(counts) else 0.0
+    return score - malformed_penalty * episode.malformed_tool_calls
 
 
 def staleness(episode: Episode, version: int) -> int:
@@ -196,7 +201,7 @@ class RLTrainer:
         router replay, a trained segment without recorded routing or naming an expert the model lacks. The
         pipeline asks before logging a group, so one bad group is set aside instead of ending every resume."""
         try:
-            reward = episode_reward(episode, self.config.malformed_penalty)
+            reward = episode_reward(episode, self.config.malformed_penalty, self.config.partial_credit)
         except ValueError as e:  # never graded
             return str(e)
         if not math.isfinite(reward):
@@ -229,7 +234,7 @@ class RLTrainer:
         for e in episodes:
             if (why := self.refusal(e)) is not None:
                 raise ValueError(why)
-        rewards = {e.episode_id: episode_reward(e, cfg.malformed_penalty) for e in episodes}
+        rewards = {e.episode_id: episode_reward(e, cfg.malformed_penalty, cfg.partial_credit) for e in episodes}
         groups: dict[str, list[Episode]] = defaultdict(list)
         for e in episodes:
             groups[e.group_id or e.episode_id].append(e)
