@@ -196,7 +196,8 @@ class RLConfig(StrictModel):
     """Subtracted from an episode's reward per malformed tool call."""
     partial_credit: float = Field(0.0, ge=0.0, lt=1.0)
     """A failed episode's reward for the tests it passed: partial_credit x passed / (passed + failed + errors) of
-    the grading run (hidden tests included), below a pass's 1 however many pass. 0: pass or fail only."""
+    the grading run (hidden tests included), below a pass's 1 however many pass. 0: pass or fail only. 0.5
+    against the recipe's 0 on one base: held-out 0.682 against 0.702 (BENCHMARKS.md, learn, "Partial credit")."""
     device: str = Field("cpu", pattern=DEVICE_PATTERN)
     """Where the trainer's weights, AdamW state and forward/backward live: cpu, cuda or cuda:N."""
     dtype: Literal["float32", "bfloat16"] = "float32"
