@@ -113,12 +113,16 @@ class TokenizerTrainConfig(StrictModel):
     """Seed of the corpus generator."""
 
 
+MAX_WALL_S = 3600.0
+"""The longest wall-clock limit a sandbox run may be given (SandboxConfig.wall_s)."""
+
+
 class SandboxConfig(StrictModel):
     """Limits and isolation of the sandbox that runs untrusted code (tests, agent commands)."""
 
     isolation: Literal["auto", "full", "weak"] = "auto"
     """auto: the strongest tier the machine allows; full: bubblewrap namespaces or fail; weak: uid + rlimits + seccomp."""
-    wall_s: float = Field(10.0, gt=0, le=3600)
+    wall_s: float = Field(10.0, gt=0, le=MAX_WALL_S)
     """Wall-clock limit of one run; the whole process tree is killed when it passes."""
     cpu_s: int = Field(10, ge=1, le=3600)
     """CPU-time rlimit (RLIMIT_CPU) of one run."""

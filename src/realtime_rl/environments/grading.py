@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from realtime_rl.config.components import MAX_WALL_S
 from realtime_rl.environments.sandbox.results import CallReport
 from realtime_rl.environments.sandbox.sandbox import MAX_VALUE_DEPTH
 from realtime_rl.environments.tasks import Task, ValueCases
@@ -165,9 +166,9 @@ def solution_files(task: Task, which: str) -> dict[str, str]:
     return files
 
 
-DEFAULT_WAIT_S = 3600.0
+DEFAULT_WAIT_S = MAX_WALL_S
 """How long a request waits for an identical one in flight with no timeout of its own (the sandbox's wall_s
-bounds that run; this is SandboxConfig.wall_s's largest allowed value)."""
+bounds that run, and is at most this)."""
 WAIT_MARGIN_S = 30.0
 
 

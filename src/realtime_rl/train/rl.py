@@ -94,8 +94,9 @@ def episode_reward(episode: Episode, malformed_penalty: float = 0.0, partial_cre
         raise ValueError(f"episode {episode.episode_id} was never graded (passed and reward are both unset)")
     score = float(episode.passed)
     if partial_credit and not episode.passed:
-        counts = [episode.metadata.get(k, 0) for k in ("tests_passed", "tests_failed", "tests_errors")]
-        score = partial_credit * counts[0] / sum(counts) if sum(counts) else 0.0
+        passed = episode.metadata.get("tests_passed", 0)
+        tests = passed + episode.metadata.get("tests_failed", 0) + episode.metadata.get("tests_errors", 0)
+        score = partial_credit * passed / tests if tests else 0.0
     return score - malformed_penalty * episode.malformed_tool_calls
 
 
