@@ -100,7 +100,8 @@ class Segment:
     [T, moe_layers, k]: row t is the routing of position t as an input, as inference computed it (the last
     position may be zeros: it was never an input). temperature is the one the generated tokens were sampled
     at: the policy trained is softmax(logits / temperature), the distribution the logprobs are of (0: greedy,
-    never trained).
+    never trained). top_p is the nucleus they were sampled from (1: the whole distribution; below 1 the logprobs
+    are of a truncation whose tail was never sampled, so no ratio corrects it and the trainer refuses it).
     """
 
     token_ids: np.ndarray
@@ -109,10 +110,13 @@ class Segment:
     versions: np.ndarray
     routing: np.ndarray | None = None
     temperature: float = 1.0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"a segment's temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"a segment's top_p must be in (0, 1], got {self.top_p}")
         if getattr(self.loss_mask, "dtype", None) != np.bool_:  # an integer array indexes positions, not tokens
             raise ValueError(f"a segment's loss_mask must be a numpy bool array, got "
                              f"{getattr(self.loss_mask, 'dtype', type(self.loss_mask).__name__)}")
@@ -190,6 +194,7 @@ def episode_to_bytes(episode: Episode) -> bytes:
             if value is not None:
                 arrays[f"{i}/{name}"] = value
         arrays[f"{i}/temperature"] = np.float64(seg.temperature)
+        arrays[f"{i}/top_p"] = np.float64(seg.top_p)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return buf.getvalue()
@@ -204,8 +209,10 @@ def episode_from_bytes(data: bytes) -> Episode:
             for i in range(header.pop("num_segments")):
                 arrays = {name: npz[f"{i}/{name}"] if f"{i}/{name}" in npz.files else None
                           for name in _SEGMENT_ARRAYS}
-                temperature = float(npz[f"{i}/temperature"]) if f"{i}/temperature" in npz.files else 1.0
-                segments.append(Segment(**arrays, temperature=temperature))  # files before it: sampled at 1
+                # Files from before a scalar was recorded were sampled at 1 from the whole distribution.
+                temperature, top_p = (float(npz[f"{i}/{name}"]) if f"{i}/{name}" in npz.files else 1.0
+                                      for name in ("temperature", "top_p"))
+                segments.append(Segment(**arrays, temperature=temperature, top_p=top_p))
     except (OSError, KeyError, TypeError, ValueError, zipfile.BadZipFile, AssertionError) as e:
         raise ValueError(f"not a serialized episode: {e}") from None
     return Episode(segments=segments, **header)

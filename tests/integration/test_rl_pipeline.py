@@ -251,6 +251,7 @@ def test_weights_published_in_bf16_reach_the_workers_as_the_trainers_weights_rou
 
 def _send_a_large_result_at_stop(inbox, outbox) -> None:
     """A worker's exit path with a result bigger than the pipe holds: it exits only once that is read."""
+    outbox.put(("ready", 0))
     assert inbox.get(timeout=60) == ("stop",)
     outbox.put(("group", 0, "g", [bytes(4 << 20)], {}))
     outbox.close()
@@ -265,8 +266,17 @@ def test_closing_local_workers_reads_what_they_flush_so_they_exit_by_themselves(
     proc.start()
     backend._inboxes.append(inbox)
     backend._procs.append(proc)
+    assert backend._get(120) == ("ready", 0)  # started (a spawned child's imports take a while on a busy machine)
     backend.close()
     assert proc.exitcode == 0  # not killed (-9) after a wait on its full pipe
+
+
+def test_local_workers_weights_in_a_temporary_directory_go_with_the_backend(tiny_checkpoint, tmp_path):
+    backend = LocalBackend(_config(tmp_path / "run", tiny_checkpoint).rollout, tiny_checkpoint, group_size=2)
+    backend.publish({"w": torch.zeros(3)}, 0)
+    assert (backend.weights_dir).is_dir()
+    backend.close()
+    assert not backend.weights_dir.exists()
 
 
 def test_ray_backend(tmp_path, tiny_checkpoint):
@@ -294,6 +304,8 @@ def test_closing_ray_workers_stops_every_one_when_one_has_died(tmp_path, tiny_ch
         dead, alive = backend._actors
         ray.kill(dead)
         backend.close()  # the dead worker's close fails; the live one is stopped all the same
+        with pytest.raises(ValueError):  # and the run's weight directory actor, with the snapshots it held
+            ray.get_actor(backend._weights)
         deadline = time.monotonic() + 60
         with pytest.raises(ray.exceptions.RayActorError):
             while time.monotonic() < deadline:  # a kill lands a moment after ray.kill returns
@@ -347,7 +359,10 @@ def test_sigkilled_trainer_resumes_without_losing_or_retraining_a_group(tmp_path
     run_dir, config = tmp_path / "run", tmp_path / "train.toml"
     _write_toml(config, run_dir, tiny_checkpoint, steps=50)
     cmd = [sys.executable, "-m", "realtime_rl.cli", "train", "--config", str(config)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tmp = tmp_path / "tmp"  # the workers' work and sandbox directories
+    tmp.mkdir()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(tmp)})
     deadline = time.monotonic() + 240
     while not (run_dir / "checkpoints" / "v-0000003").exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
@@ -355,6 +370,11 @@ def test_sigkilled_trainer_resumes_without_losing_or_retraining_a_group(tmp_path
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    assert list(tmp.glob("rtrl-rollout-*")), "the workers' work directories were not where the test looks"
+    deadline = time.monotonic() + 60
+    while list(tmp.glob("rtrl-*")):  # orphaned workers close their engines and sandboxes on the way out
+        assert time.monotonic() < deadline, f"an orphaned worker left {sorted(p.name for p in tmp.iterdir())}"
+        time.sleep(0.2)
 
     state = _state(run_dir)
     killed_at = state["version"]
@@ -391,35 +411,60 @@ def test_a_second_run_on_a_run_dir_in_use_is_refused(tmp_path, tiny_checkpoint):
     assert not (run / "checkpoints").exists()  # refused before anything was written
 
 
+class _Corrupting(LocalBackend):
+    """Groups come back with one behaviour logprob a GPU overflowed: the first group only, or every one."""
+    every = False
+    bad: list[str] = []
+
+    def poll(self, timeout_s: float) -> list[list[Episode]]:
+        groups = super().poll(timeout_s)
+        for group in groups if self.every else groups[:1] if not self.bad else []:
+            self.bad = [*self.bad, group[0].group_id]
+            group[-1].segments[0].logprobs[group[-1].segments[0].loss_mask.nonzero()[0][0]] = np.nan
+        return groups
+
+
+def _corrupting(monkeypatch, every: bool) -> list[_Corrupting]:
+    from realtime_rl.rollout import orchestrator
+
+    backends: list[_Corrupting] = []
+
+    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _Corrupting:
+        backends.append(_Corrupting(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
+                                    weights_dir=Path(config.run_dir) / "weights"))
+        backends[-1].every = every
+        return backends[-1]
+
+    monkeypatch.setattr(orchestrator, "make_backend", make_backend)
+    return backends
+
+
 def test_a_group_the_trainer_would_refuse_is_set_aside_with_why_not_the_end_of_the_run(tmp_path, tiny_checkpoint,
                                                                                        monkeypatch):
     from realtime_rl.rollout.buffer import REJECTED_FILE
 
-    class _OneBad(LocalBackend):
-        bad: str | None = None
-
-        def poll(self, timeout_s: float) -> list[list[Episode]]:
-            groups = super().poll(timeout_s)
-            if groups and self.bad is None:  # the first group back: one behaviour logprob a GPU overflowed
-                self.bad = groups[0][0].group_id
-                groups[0][-1].segments[0].logprobs[groups[0][-1].segments[0].loss_mask.nonzero()[0][0]] = np.nan
-            return groups
-
-    backends: list[_OneBad] = []
-
-    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _OneBad:
-        backends.append(_OneBad(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
-                                weights_dir=Path(config.run_dir) / "weights"))
-        return backends[-1]
-
-    from realtime_rl.rollout import orchestrator
-
-    monkeypatch.setattr(orchestrator, "make_backend", make_backend)
+    backends = _corrupting(monkeypatch, every=False)
     summary = train(_config(tmp_path / "run", tiny_checkpoint, steps=2), show_progress=False)
     assert summary["version"] == 2 and summary["rejected_groups"] == 1
     log = tmp_path / "run" / "trajectories"
     [record] = [json.loads(line) for line in (log / REJECTED_FILE).read_text().splitlines()]
-    assert record["group_id"] == backends[0].bad and "non-finite behaviour logprob" in record["reason"]
+    [bad] = backends[0].bad
+    assert record["group_id"] == bad and "non-finite behaviour logprob" in record["reason"]
     trained = {json.loads(line)["group_id"] for line in (log / "trained.jsonl").read_text().splitlines()}
-    assert backends[0].bad not in trained
-    assert not (log / f"{backends[0].bad}.npz").exists()
+    assert bad not in trained
+    assert not (log / f"{bad}.npz").exists()
+
+
+def test_a_run_whose_every_group_is_refused_stops_with_why_instead_of_spinning(tmp_path, tiny_checkpoint,
+                                                                                monkeypatch):
+    from realtime_rl.rollout.buffer import REJECTED_FILE
+    from realtime_rl.rollout.orchestrator import REFUSED_STEPS
+
+    backends = _corrupting(monkeypatch, every=True)
+    config = _config(tmp_path / "run", tiny_checkpoint, steps=2)
+    with pytest.raises(RuntimeError, match="refused the last .* non-finite behaviour logprob"):
+        train(config, show_progress=False)  # no max_minutes: it would have handed out tasks forever
+    records = (tmp_path / "run" / "trajectories" / REJECTED_FILE).read_text().splitlines()
+    assert len(records) == REFUSED_STEPS * config.rl.groups_per_step <= len(backends[0].bad)
+    trained = tmp_path / "run" / "trajectories" / "trained.jsonl"
+    assert not trained.exists() or not trained.read_text().strip()  # nothing trained on a refused group

@@ -32,12 +32,16 @@ def test_a_reply_that_spans_a_rollback_does_not_train_the_restored_version():
     assert [s.completion_id for s in on_policy_rewards(items, records, allowed=[1, 0])] == ["plain", "spanning", "old"]
 
 
-def test_greedy_replies_do_not_train_and_sampled_ones_carry_their_temperature():
+def test_greedy_and_nucleus_replies_do_not_train_and_sampled_ones_carry_their_temperature():
     from realtime_rl.train.traffic import traffic_segment
 
     records = {"greedy": completion("greedy", [0, 0], '{"temperature": 0.0}'),
-               "warm": completion("warm", [0, 0], '{"temperature": 0.7}'), "default": completion("default", [0, 0])}
-    items = [settled("greedy", 0, 1), settled("warm", 0, 2), settled("default", 0, 3)]
-    assert [s.completion_id for s in on_policy_rewards(items, records, allowed=[0])] == ["warm", "default"]
+               "warm": completion("warm", [0, 0], '{"temperature": 0.7}'), "default": completion("default", [0, 0]),
+               "nucleus": completion("nucleus", [0, 0], '{"top_p": 0.9}'),
+               "whole": completion("whole", [0, 0], '{"top_p": 1.0, "temperature": null}')}
+    items = [settled(cid, 0, seq) for seq, cid in enumerate(records)]
+    assert [s.completion_id for s in on_policy_rewards(items, records, allowed=[0])] == ["warm", "default", "whole"]
     assert traffic_segment(records["warm"]).temperature == 0.7  # the trainer recomputes at it
     assert traffic_segment(records["default"]).temperature == 1.0  # the gateway's default
+    # A nucleus's logprobs are of a truncation whose tail was never sampled: recorded, so the trainer refuses it.
+    assert traffic_segment(records["nucleus"]).top_p == 0.9 and traffic_segment(records["whole"]).top_p == 1.0

@@ -431,6 +431,31 @@ def test_learning_rate_warms_up_then_decays_to_its_floor(tmp_path):
     assert rate == pytest.approx(expected[step])  # at version 40: the warmup, not the floor
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_the_first_minibatch_is_its_own_proximal_policy_without_another_forward(tmp_path, monkeypatch, epochs):
+    """The first minibatch's forward runs at the step-start weights: its logprobs, detached, are the proximal
+    ones by construction. A separate forward packs rows otherwise (on a GPU in bf16 other kernels: a ratio of
+    the weights to themselves that is not 1, clipping before any update) and costs a forward of those rows."""
+    from realtime_rl.train import rl
+
+    seen, up_front = [], []
+
+    def policy_loss(new_lp, prox_lp, *args):
+        seen.append(bool(torch.equal(new_lp.detach(), prox_lp)))
+        return real(new_lp, prox_lp, *args)
+
+    real = rl.policy_loss
+    monkeypatch.setattr(rl, "policy_loss", policy_loss)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    trainer = RLTrainer(_model(), None, RLConfig(minibatches=2, ppo_epochs=epochs, dtype="bfloat16"), tmp_path)
+    no_grad = trainer._logprobs_no_grad
+    monkeypatch.setattr(trainer, "_logprobs_no_grad", lambda items: up_front.append(len(items)) or no_grad(items))
+    rows = int(trainer.step(_episodes(engine, 0))["train/trained_sequences"])
+    assert len(seen) >= 2 * epochs and seen[0]  # the first minibatch: exactly the step-start policy
+    # Up front: the second minibatch's rows alone (one epoch), or every row (later epochs revisit the first's).
+    assert up_front == ([rows // 2] if epochs == 1 else [rows])
+
+
 def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     batches = [_episodes(engine, s) for s in range(4)]
@@ -496,6 +521,7 @@ def test_bad_episodes_and_settings_are_refused_before_any_weight_changes(tmp_pat
     # micro-batch on the trainer's own routing, silently.
     refused(lambda es: [setattr(e.segments[0], "routing", None) for e in es[1::2]], "no recorded routing")
     refused(lambda es: setattr(es[2].segments[0], "temperature", 0.0), "decoded greedily")
+    refused(lambda es: setattr(es[6].segments[0], "top_p", 0.9), "top_p nucleus")
     # Routing of another model's shape (one MoE layer or expert slot short) passed, logged, then failed inside
     # every step a resume retried.
     refused(lambda es: setattr(es[4].segments[0], "routing", es[4].segments[0].routing[:, :, :1]), "not \\[tokens")
@@ -627,12 +653,14 @@ def test_episode_bytes_and_log_roundtrip(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     episodes = _episodes(engine, 0, temperature=0.7)
     e = episodes[0]
+    e.segments[0].top_p = 0.9
     back = episode_from_bytes(episode_to_bytes(e))
     assert back.episode_id == e.episode_id and back.group_id == e.group_id and back.passed == e.passed
     for a, b in zip(back.segments, e.segments):
         assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("token_ids", "loss_mask", "logprobs",
                                                                            "versions", "routing"))
-        assert a.temperature == b.temperature == 0.7
+        assert a.temperature == b.temperature == 0.7 and a.top_p == b.top_p
+    assert back.segments[0].top_p == 0.9
     with pytest.raises(ValueError, match="not a serialized episode"):
         episode_from_bytes(b"garbage")
 
@@ -655,6 +683,20 @@ def test_episode_bytes_and_log_roundtrip(tmp_path):
     assert log.dropped_ids() == {e.episode_id for e in groups[1]}
     log.drop([_group("g8", 0)], version=6)  # the next append cuts the torn line off instead of running into it
     assert log.dropped_ids() == {e.episode_id for e in groups[1]} | {"g8-0"}
+
+
+def test_a_kill_between_a_drop_or_reject_record_and_the_unlink_sets_the_group_aside_once(tmp_path, monkeypatch):
+    log = TrajectoryLog(tmp_path / "log")
+    for gid in ("stale", "bad", "kept"):
+        log.append(_group(gid, 0))
+    monkeypatch.setattr(TrajectoryLog, "_forget", lambda self, groups: None)  # killed before the unlink
+    log.drop([_group("stale", 0)], version=4)
+    log.reject(_group("bad", 0), version=4, reason="a non-finite behaviour logprob")
+    monkeypatch.undo()
+    resumed = TrajectoryLog(tmp_path / "log")
+    assert [g[0].group_id for g in resumed.load(consumed={})] == ["kept"]  # not set aside a second time
+    assert len(resumed) == 1 and resumed.dropped_ids() == {"stale-0"}
+    assert len((tmp_path / "log" / "rejected.jsonl").read_text().splitlines()) == 1
 
 
 def _group(gid: str, version: int) -> list[Episode]:

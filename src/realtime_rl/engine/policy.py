@@ -26,6 +26,6 @@ class EnginePolicy:
                                 stop_token_ids=list(stop_ids), seed=seed)
         sample = self.engine.generate_sync(context_ids, params, self.timeout_s).samples[0]
         # Behaviour logprobs are those of the distribution sampled from; the trainer recomputes at the same
-        # temperature (with top_p < 1 the engine's are of the truncated one: the ratio then corrects for it).
+        # temperature. Rollouts sample the whole distribution (top_p 1): the gate's evaluations alone truncate it.
         return PolicyOutput(sample.token_ids, sample.logprobs, sample.versions, sample.routing,
                             self.temperature)

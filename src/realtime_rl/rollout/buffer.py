@@ -154,9 +154,10 @@ class TrajectoryLog:
     def load(self, consumed: dict[int, list[str]]) -> list[list[Episode]]:
         """Every logged group none of whose episodes was consumed (`consumed`: version -> episode ids, as
         RLTrainer.consumed), oldest file first. The files of consumed ones (a trainer stopped between its
-        checkpoint and `remove`) are removed now, on the record."""
+        checkpoint and `remove`) are removed now, on the record; so are those dropped.jsonl or rejected.jsonl
+        records already (a kill between the record and the unlink), which would otherwise be set aside twice."""
         consumed_at = {i: v for v, ids in consumed.items() for i in ids}
-        groups, recorded = [], None
+        groups, recorded, set_aside = [], None, None
         for path in sorted(self.root.glob("*.npz"), key=lambda p: p.stat().st_mtime):
             with np.load(path, allow_pickle=False) as npz:
                 group = [episode_from_bytes(npz[k].tobytes()) for k in sorted(npz.files, key=lambda k: int(k[1:]))]
@@ -164,6 +165,11 @@ class TrajectoryLog:
             if versions:
                 recorded = set(self._records(TRAINED_FILE, "group_id")) if recorded is None else recorded
                 self.remove([group], max(versions), recorded=group[0].group_id in recorded)
+                continue
+            if set_aside is None:
+                set_aside = {g for name in (DROPPED_FILE, REJECTED_FILE) for g in self._records(name, "group_id")}
+            if group[0].group_id in set_aside:  # dropped or rejected on the record, then killed before the unlink
+                self._forget([group])
             else:
                 groups.append(group)
         return groups

@@ -52,6 +52,7 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, config: RolloutConfig, w
             outbox.put(("error", worker_id, traceback.format_exc()))
 
     outbox.put(("ready", worker_id))
+    orphaned = False
     try:
         parent = mp.parent_process()
         while True:
@@ -59,7 +60,8 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, config: RolloutConfig, w
                 message = inbox.get(timeout=1.0)
             except queue.Empty:
                 if parent is not None and not parent.is_alive():
-                    os._exit(1)  # the orchestrator was killed (even with SIGKILL): do not outlive it
+                    orphaned = True  # the orchestrator was killed (even with SIGKILL): do not outlive it
+                    break
                 continue
             if message[0] == "stop":
                 break
@@ -72,16 +74,19 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, config: RolloutConfig, w
                 groups.submit(run, message[1])
     finally:
         groups.shutdown(wait=False, cancel_futures=True)
-        worker.close()
+        worker.close()  # its engine, sandboxes and work directories, orphaned or not
+        if orphaned:
+            outbox.cancel_join_thread()  # nobody reads the pipe any more: do not wait to flush it
         outbox.close()
         outbox.join_thread()
-        os._exit(0)  # episode threads still waiting on the stopped engine must not hold the process
+        os._exit(1 if orphaned else 0)  # episode threads waiting on the stopped engine must not hold the process
 
 
 class LocalBackend(RolloutBackend):
     def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0,
                  weights_dir: Path | None = None) -> None:
         super().__init__(config, checkpoint_dir, group_size, seed)
+        self._own_weights_dir = weights_dir is None  # a temporary one, removed by close()
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rtrl-weights-"))
         shutil.rmtree(self.weights_dir, ignore_errors=True)  # a fresh chain per run: snapshot first
         self._publisher = WeightPublisher(FilesystemTransport(self.weights_dir, timeout_s=config.timeout_s),
@@ -171,3 +176,9 @@ class LocalBackend(RolloutBackend):
                 proc.kill()
             proc.join(timeout=5)
         self._procs.clear()
+        for q in (*self._inboxes, self._outbox):  # their pipes and feeder threads; a dead reader must not block
+            q.cancel_join_thread()
+            q.close()
+        self._inboxes.clear()
+        if self._own_weights_dir:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -40,6 +40,7 @@ from realtime_rl.train import RLTrainer, remove_staging, run_dir_lock
 from realtime_rl.types import Episode
 
 POLL_S = 0.5
+REFUSED_STEPS = 4  # this many steps' worth of groups refused in a row, none taken, stops the run
 logger = logging.getLogger(__name__)
 
 
@@ -101,18 +102,24 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
     trainer = RLTrainer.open(run_dir, base, config.rl)
     gps, size = config.rl.groups_per_step, config.rl.group_size
     log = TrajectoryLog(run_dir / "trajectories")
-    rejected = 0
+    rejected, in_a_row = 0, 0
 
     def admissible(group: list[Episode]) -> bool:
         """Whether the trainer would take the group; else it is logged as rejected, with why, and set aside (one
-        bad group, say a non-finite logprob, must not end the run, nor every resume of it)."""
-        nonlocal rejected
+        bad group, say a non-finite logprob, must not end the run, nor every resume of it). When every group is
+        refused (REFUSED_STEPS steps' worth in a row) the cause is the setup, not a group: the run stops."""
+        nonlocal rejected, in_a_row
         why = next((r for e in group if (r := trainer.refusal(e)) is not None), None)
-        if why is not None:
-            log.reject(group, trainer.version, why)
-            rejected += 1
-            logger.warning("group %s set aside: %s", group[0].group_id, why)
-        return why is None
+        if why is None:
+            in_a_row = 0
+            return True
+        log.reject(group, trainer.version, why)
+        rejected, in_a_row = rejected + 1, in_a_row + 1
+        logger.warning("group %s set aside: %s", group[0].group_id, why)
+        if in_a_row >= REFUSED_STEPS * gps:
+            raise RuntimeError(f"the trainer refused the last {in_a_row} groups (logged in trajectories/"
+                               f"rejected.jsonl), the last because {why}: the rollouts cannot train this model")
+        return False
 
     pending = [g for g in log.load(trainer.consumed) if admissible(g)]
     buffer = StalenessBuffer(config.max_staleness, gps, started=trainer.version * gps + len(pending))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from realtime_rl.config import RolloutConfig
-from realtime_rl.deploy import WeightPublisher, WeightSubscriber
+from realtime_rl.deploy import TransportError, WeightPublisher, WeightSubscriber
 from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
@@ -65,6 +65,8 @@ class RayBackend(RolloutBackend):
         self._actors: list = []
         self._pending: dict = {}  # ObjectRef -> worker id
         self._weights = f"rtrl-weights-{uuid.uuid4().hex[:12]}"  # this run's weight directory actor
+        self._publisher: WeightPublisher | None = None
+        self._started_ray = False  # a local Ray this backend started, shut down by close()
 
     @property
     def in_flight(self) -> int:
@@ -74,6 +76,7 @@ class RayBackend(RolloutBackend):
         ray = self.ray
         if not ray.is_initialized():
             ray.init(num_cpus=max(2, self.config.workers), include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
         actor_cls = ray.remote(_Actor).options(**actor_options(self.config, self.group_size))
         from realtime_rl.deploy import RayTransport
 
@@ -135,3 +138,12 @@ class RayBackend(RolloutBackend):
         for actor in self._actors:
             self.ray.kill(actor)
         self._actors = []
+        if self._publisher is not None:  # the weight directory actor and the snapshots it holds
+            try:
+                self._publisher.transport.close()
+            except TransportError as exc:
+                log.warning("the weight directory actor did not stop: %s", exc)
+            self._publisher = None
+        if self._started_ray:
+            self.ray.shutdown()
+            self._started_ray = False

@@ -12,8 +12,10 @@ from realtime_rl.train.losses import LossConfig, group_advantages, k3, pass_at_k
 from realtime_rl.train.pretrain import ensure_base_model, latest_checkpoint, prepare_corpus, pretrain
 from realtime_rl.train.rl import RLTrainer, episode_reward, staleness
 from realtime_rl.train.run_dir import remove_staging, run_dir_lock
-from realtime_rl.train.traffic import sampled_at, traffic_episode, traffic_episodes, traffic_segment
+from realtime_rl.train.traffic import (nucleus, sampled_at, trainable, traffic_episode, traffic_episodes,
+                                      traffic_segment)
 
 __all__ = ["LossConfig", "RLTrainer", "ensure_base_model", "episode_reward", "group_advantages", "k3",
-           "latest_checkpoint", "pass_at_k_advantages", "policy_loss", "prepare_corpus", "pretrain", "remove_staging",
-           "run_dir_lock", "sampled_at", "staleness", "traffic_episode", "traffic_episodes", "traffic_segment"]
+           "latest_checkpoint", "nucleus", "pass_at_k_advantages", "policy_loss", "prepare_corpus", "pretrain",
+           "remove_staging", "run_dir_lock", "sampled_at", "staleness", "trainable", "traffic_episode",
+           "traffic_episodes", "traffic_segment"]

@@ -198,7 +198,8 @@ class RLTrainer:
 
     def refusal(self, episode: Episode) -> str | None:
         """Why `step` would refuse this episode (None: it would not): a non-finite reward or behaviour logprob
-        (one NaN would reach every weight through the loss), greedy decoding (no sample of a policy), or, under
+        (one NaN would reach every weight through the loss), greedy decoding (no sample of a policy), top_p < 1 (a
+        truncation: the tail it never sampled cannot be corrected for), or, under
         router replay, a trained segment without recorded routing or naming an expert the model lacks. The
         pipeline asks before logging a group, so one bad group is set aside instead of ending every resume."""
         try:
@@ -212,6 +213,9 @@ class RLTrainer:
             return f"episode {episode.episode_id} has a non-finite behaviour logprob"
         if any(s.temperature == 0 for s in trained):
             return f"episode {episode.episode_id} was decoded greedily: no sample of a policy"
+        if any(s.top_p < 1 for s in trained):
+            return (f"episode {episode.episode_id} was sampled from a top_p nucleus: its tail was never sampled, "
+                    f"so no ratio corrects the logprobs")
         if self._replays:
             if any(s.routing is None for s in trained):
                 return ("router replay is on but a segment has no recorded routing "
@@ -285,8 +289,11 @@ class RLTrainer:
                            cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        recompute_prox = cfg.minibatches > 1 or cfg.ppo_epochs > 1
-        prox = self._logprobs_no_grad(items) if recompute_prox else None
+        # The proximal policy is the weights at the step start. The first minibatch's forward runs at them, so its
+        # own logprobs, detached, are the proximal ones exactly (a separate forward packs rows otherwise, and in
+        # bf16 a ratio that should be 1 would not be); the other minibatches' and epochs' are computed up front.
+        later = [item for i, item in enumerate(items) if cfg.ppo_epochs > 1 or i % cfg.minibatches]
+        prox = self._logprobs_no_grad(later) if later else None
         order = list(range(len(items)))
         totals: dict[str, float] = defaultdict(float)
         mismatch = {"tokens": 0, "k3": 0.0, "max": 0.0}  # over tokens of the current version, first pass only
@@ -301,7 +308,8 @@ class RLTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in pack_micro_batches([(items[i][0], items[i][1]) for i in chosen], self.micro_batch_tokens,
                                             self._replays):
-                    sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens, prox)
+                    sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens,
+                                                                       None if epoch == mb == 0 else prox)
                     micro_batches += 1
                     positions["computed"] += computed
                     positions["padded"] += padded

@@ -33,6 +33,18 @@ def sampled_at(record: CompletionRecord) -> float:
     return 1.0 if temperature is None else float(temperature)
 
 
+def nucleus(record: CompletionRecord) -> float:
+    """The top_p the request's choices were sampled with (1, the whole distribution, when it gave none); below 1
+    the tail was never sampled, so no importance ratio corrects for it and such choices do not train."""
+    top_p = json.loads(record.request_json).get("top_p")
+    return 1.0 if top_p is None else float(top_p)
+
+
+def trainable(record: CompletionRecord) -> bool:
+    """Whether the request's choices are samples of the policy the trainer recomputes: T > 0 and no nucleus."""
+    return sampled_at(record) > 0 and nucleus(record) == 1
+
+
 def traffic_segment(record: CompletionRecord, choice_index: int = 0) -> Segment:
     """The prompt and one choice's tokens as a trainable segment (loss on the generated tokens only)."""
     if not 0 <= choice_index < len(record.choices):
@@ -51,6 +63,7 @@ def traffic_segment(record: CompletionRecord, choice_index: int = 0) -> Segment:
         versions=np.concatenate([np.full(P, -1, dtype=np.int64), np.asarray(choice.versions, dtype=np.int64)]),
         routing=routing,
         temperature=sampled_at(record),
+        top_p=nucleus(record),
     )
 
 
