@@ -257,6 +257,23 @@ def test_http_gives_up_with_a_clear_error_when_the_server_keeps_failing():
         transport.versions()
 
 
+@pytest.mark.parametrize("answer", [httpx.Response(200, text="<html>proxy login</html>"),
+                                    httpx.Response(200, json={"kinds": []}),
+                                    httpx.Response(200, json={"versions": {"three": ["delta"]}})])
+def test_a_listing_that_is_not_one_is_a_transport_error(answer):
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: answer), base_url="http://weights")
+    with pytest.raises(TransportError, match="not a version listing"):
+        HttpTransport(client=client).versions()
+
+
+def test_a_store_directory_that_went_away_is_a_transport_error(tmp_path):
+    transport = FilesystemTransport(tmp_path / "store")
+    transport.publish(1, {"delta": b"one"})
+    (tmp_path / "store").rename(tmp_path / "moved")  # removed or unmounted under a follower
+    with pytest.raises(TransportError, match="listing"):
+        transport.versions()
+
+
 def test_http_requests_carry_the_timeout():
     seen = []
 

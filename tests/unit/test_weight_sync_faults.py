@@ -90,3 +90,38 @@ def test_a_poll_that_stops_partway_applies_the_furthest_verified_version_then_ra
         subscriber.poll()
     assert applied == [0, 1] and subscriber.version == 1
     assert subscriber.state.digests == bf16_state(1).digests
+
+
+def test_a_follower_survives_an_error_nobody_expected_and_catches_up(tmp_path, monkeypatch):
+    import threading
+
+    transport = FilesystemTransport(tmp_path, timeout_s=10)
+    publisher = WeightPublisher(transport, snapshot_every=100, workers=1)
+    applied: list[int] = []
+    follower = WeightSubscriber(transport, apply=lambda state, version: applied.append(version), workers=1)
+    publisher.publish(weights(0), 0)
+    listing, failures = transport.versions, iter([RuntimeError("a bug in a listing"), KeyError("versions")])
+
+    def flaky():
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return listing()
+
+    monkeypatch.setattr(transport, "versions", flaky)
+    stop = threading.Event()
+    thread = threading.Thread(target=follower.run, args=(stop, 0.01), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not applied:
+            assert thread.is_alive(), "the follower died on the error"
+            assert time.monotonic() < deadline, "the follower never caught up"
+            time.sleep(0.01)
+        publisher.publish(weights(1), 1)
+        while applied[-1] != 1:  # and it keeps following
+            assert time.monotonic() < deadline, "the follower stopped following"
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join(timeout=10)

@@ -166,11 +166,11 @@ class SqlEventStore(EventStore):
             try:
                 self._begin_write(conn, table)  # inside: a lock wait that times out leaves no open transaction
                 yield conn
+                conn.execute("COMMIT")  # inside too: a COMMIT that fails (busy, I/O) must not leave it open
             except BaseException:
                 with contextlib.suppress(Exception):  # a broken connection cannot roll back; keep the first error
                     conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
 
     def _create_schema(self, blob: str) -> None:
         """Create missing tables, and add the columns a database of an older schema lacks (in one

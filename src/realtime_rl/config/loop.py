@@ -170,7 +170,8 @@ class LoopConfig(StrictModel):
     http_timeout_s: float = Field(30.0, gt=0, le=3600)
     """Timeout of every call to the gateway."""
     candidate_load_timeout_s: float = Field(300.0, gt=0, le=86400)
-    """How long a canary's weights may take to serve in the gateway's candidate arm (the first builds its engine)."""
+    """How long a canary's weights may take to serve in the gateway's candidate arm (the first builds its engine),
+    and a promoted version in its champion arm (the canary keeps its users until then)."""
     threads: int | None = Field(None, ge=1, le=1024)
     """torch threads for training and the gate (None: torch's default)."""
     seed: int = 0

@@ -34,6 +34,7 @@ a user sees (deploy.canary), deciding to promote (evaluate.gate, evaluate.ab).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sqlite3
@@ -212,10 +213,11 @@ class Registry:
                 raise TimeoutError(f"{self.path}: could not take the write lock: {e}") from None
             try:
                 yield self._conn
+                self._conn.execute("COMMIT")  # inside: a COMMIT that fails (busy, I/O) must not leave it open
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):  # keep the first error
+                    self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
 
     # -- registration ---------------------------------------------------------------------------------
 

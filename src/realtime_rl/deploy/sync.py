@@ -215,10 +215,14 @@ class WeightSubscriber:
         return reached
 
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
-        """Poll until `stop` is set; faults are logged and retried at the next interval."""
+        """Poll until `stop` is set; faults are logged and retried at the next interval. Anything else is logged
+        with its traceback and retried too: a follower that died would leave its engine serving stale weights,
+        every later promotion and rollback published and never served."""
         while not stop.is_set():
             try:
                 self.poll()
             except (WeightSyncError, TransportError) as exc:
                 log.warning("weight sync: %s", exc)
+            except Exception:
+                log.exception("weight sync: unexpected error; retrying at the next interval")
             stop.wait(interval_s)

@@ -337,6 +337,7 @@ class RealtimeLoop:
             self.registry.promote(version, reason=f"A/B: {reason}", evidence=evidence)
             if self.champion_serves != version:
                 self._publish_champion(new)  # a lossless delta to the champion arm
+            self._await_arm("champion", version)  # the canary's users move over only once it serves them there
             self.gateway.set_candidate_fraction(0.0)
         elif verdict == "rollback":
             self.gateway.set_candidate_fraction(0.0)
@@ -460,21 +461,22 @@ class RealtimeLoop:
         last = self.candidate_weights.last
         if last is None or last.version != version:
             self.candidate_weights.publish(_weights(self.registry.get(version).checkpoint), version)
-        self._await_candidate(version)
+        self._await_arm("candidate", version)
         # A fresh salt per canary: each one gets its own random half of the users, not the last one's.
         self.gateway.set_candidate_fraction(self.config.ab.candidate_fraction, salt=f"canary-v{version}")
         self.state.canary, self.state.canary_since, self.state.canary_cycles = version, time.time(), 0
         self.state.canary_deployed = True
 
-    def _await_candidate(self, version: int, timeout_s: float | None = None) -> None:
-        """Wait until the gateway's candidate arm serves `version` before sending it users."""
+    def _await_arm(self, arm: str, version: int, timeout_s: float | None = None) -> None:
+        """Wait until the gateway's `arm` serves `version` (published to its store) before users are sent to it."""
         deadline = time.monotonic() + (timeout_s or self.config.candidate_load_timeout_s)
         while time.monotonic() < deadline:
-            if self.gateway.traffic()["arms"]["candidate"]["version"] == version:
+            if self.gateway.traffic()["arms"][arm]["version"] == version:
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"the gateway's candidate arm did not load v{version} within its timeout; is it "
-                           f"following {self.candidate_store(self.run_dir)}?")
+        store = self.candidate_store(self.run_dir) if arm == "candidate" else self.champion_store(self.run_dir)
+        raise TimeoutError(f"the gateway's {arm} arm did not load v{version} within "
+                           f"{timeout_s or self.config.candidate_load_timeout_s:g} s; is it following {store}?")
 
     def close(self) -> None:
         self.sink.close()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from realtime_rl.model.checkpoint import write_durably
 
 
 @dataclass
@@ -41,6 +42,5 @@ class LoopState:
         return cls(**data)
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        """Durably: trained_through is what keeps a restarted loop from training on the same rewards twice."""
+        write_durably(path, json.dumps(asdict(self)).encode())

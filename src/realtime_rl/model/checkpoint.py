@@ -15,6 +15,7 @@ scaling, activations other than SiLU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -261,11 +262,24 @@ def publish_directory(staging: Path, final: Path) -> Path:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_durably(path: str | os.PathLike, data: bytes) -> None:
+    """Replace a file atomically and durably: a reader, or a restart after a crash or a power loss, sees the old
+    contents or the new, whole (a temporary file fsynced, renamed over it, then its directory fsynced)."""
+    path = Path(path)
+    _write_atomic(path, data)
+    fsync_path(path.parent)
 
 
 def save_checkpoint(

@@ -213,11 +213,11 @@ class RewardLedger:
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
+            conn.execute("COMMIT")  # inside: a COMMIT that fails (busy, I/O) must not leave the transaction open
         except BaseException:
             with contextlib.suppress(Exception):
                 conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
 
     def close(self) -> None:
         if self._conn is not None:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from realtime_rl.model.checkpoint import fsync_path
+from realtime_rl.model.checkpoint import write_durably
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
 
@@ -143,13 +143,7 @@ class TrajectoryLog:
 
     def _write(self, name: str, data: bytes) -> None:
         """Replace root/name with data durably: temp file, fsync, rename, fsync of the directory."""
-        tmp = self.root / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / name)
-        fsync_path(self.root)
+        write_durably(self.root / name, data)
 
     def load(self, consumed: dict[int, list[str]]) -> list[list[Episode]]:
         """Every logged group none of whose episodes was consumed (`consumed`: version -> episode ids, as

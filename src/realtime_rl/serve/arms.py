@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pydantic import ValidationError
 
 from realtime_rl.deploy import ARMS, Arm, assign_arm
 from realtime_rl.engine import AsyncEngine, Engine
+from realtime_rl.model.checkpoint import write_durably
 from realtime_rl.serve.schemas import TrafficUpdate
 
 __all__ = ["ARMS", "Arm", "Arms", "Traffic", "build_candidate", "load_traffic", "save_traffic"]
@@ -64,17 +64,7 @@ def load_traffic(path: Path, default: Traffic) -> Traffic:
 def save_traffic(path: Path, traffic: Traffic) -> None:
     """Write atomically and durably: a reader (or a restart after a crash) sees the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"candidate_fraction": traffic.candidate_fraction, "salt": traffic.salt}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:  # the rename itself is durable only once the directory is on disk
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_durably(path, json.dumps({"candidate_fraction": traffic.candidate_fraction, "salt": traffic.salt}).encode())
 
 
 class Arms:

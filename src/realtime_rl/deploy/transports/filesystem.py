@@ -101,13 +101,16 @@ class FilesystemTransport(WeightTransport):
     def versions(self) -> dict[int, list[str]]:
         def scan() -> dict[int, list[str]]:
             out = {}
-            for entry in os.scandir(self.root):
-                if entry.name.isdigit() and entry.is_dir():
-                    try:
-                        names = set(os.listdir(entry.path))
-                    except FileNotFoundError:  # pruned by the publisher since the scan: no longer offered
-                        continue
-                    out[int(entry.name)] = [k for k in KINDS if f"{k}{SUFFIX}" in names]
+            try:
+                for entry in os.scandir(self.root):
+                    if entry.name.isdigit() and entry.is_dir():
+                        try:
+                            names = set(os.listdir(entry.path))
+                        except FileNotFoundError:  # pruned by the publisher since the scan: no longer offered
+                            continue
+                        out[int(entry.name)] = [k for k in KINDS if f"{k}{SUFFIX}" in names]
+            except OSError as exc:  # the directory gone or the share failing (ESTALE, EIO): a fault to retry
+                raise TransportError(f"listing {self.root}: {exc}") from exc
             return out
 
         return with_timeout(scan, self.timeout_s, f"listing {self.root}")

@@ -230,8 +230,12 @@ class HttpTransport(WeightTransport):
         self._request("POST", f"/weights/{version}/commit", json=commit.model_dump(), headers=self._auth)
 
     def versions(self) -> dict[int, list[str]]:
-        body = self._request("GET", "/weights/versions").json()
-        return {int(v): list(kinds) for v, kinds in body["versions"].items()}
+        response = self._request("GET", "/weights/versions")
+        try:  # a 200 that is not the listing (a proxy's HTML page, say) is a transport fault, not a crash
+            return {int(v): list(kinds) for v, kinds in response.json()["versions"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise TransportError(f"GET {response.url}: not a version listing "
+                                 f"({type(exc).__name__}: {exc}): {response.text[:200]!r}") from exc
 
     def remove(self, version: int) -> None:
         self._request("DELETE", f"/weights/{version}", headers=self._auth)
