@@ -595,3 +595,12 @@ def test_a_dropped_postgres_connection_is_replaced_on_the_next_call(tmp_path):
             store.add_events(make_events("before", 4))  # this write fails (the gateway answers 503) ...
         assert store.add_events(make_events("before", 4)).stored == ["before-3"]  # ... and its retry goes through
         assert store.count_events() == 4
+
+
+@pytest.mark.parametrize("text", ["c\ud800", "\udfff-c"])
+def test_an_event_with_a_lone_surrogate_is_refused_on_construction_not_by_the_store(text):
+    from realtime_rl.collect import FeedbackEvent
+
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
+        FeedbackEvent("e1", "edit_accepted", completion_id=text)
+    FeedbackEvent("e2", "edit_accepted", completion_id="c\U0001f600")  # a character past the BMP is text

@@ -141,6 +141,17 @@ def test_a_bad_event_is_a_400_naming_it_and_nothing_of_the_batch_is_stored(api, 
     assert store.count_events() == 0
 
 
+def test_a_lone_surrogate_is_a_400_and_nothing_of_the_batch_is_stored(api):
+    client, store = api
+    body = b'{"events": [{"log.record.uid": "ok", "event.name": "edit_accepted", "gen_ai.response.id": "c"}, ' \
+           b'{"log.record.uid": "bad", "event.name": "edit_accepted", "gen_ai.response.id": "c\\ud800"}]}'
+    r = client.post("/v1/feedback", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    assert store.count_events() == 0
+    r = client.post("/v1/feedback", json=event("ok"))  # and the next batch goes through
+    assert r.status_code == 200 and store.count_events() == 1
+
+
 def test_malformed_json_is_a_400(api):
     client, _ = api
     r = client.post("/v1/feedback", content=b'{"events": [', headers={"Content-Type": "application/json"})

@@ -380,6 +380,23 @@ def test_bad_input_is_a_400_that_names_the_field(api, body, param):
     assert store.count_completions() == 0
 
 
+def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_before_generating(api):
+    """JSON's \\ud800 escape parses in Python but is not Unicode text: the store refused it after generating."""
+    client, store, _ = api
+    message = b'"messages": [{"role": "user", "content": "%s"}]'
+    lone = [message % b"hi \\ud800", message % b"\\udfff", message % b"hi" + b', "user": "\\ud83d"']
+    for fields in lone:
+        body = b'{"model": "%s", %s, "max_tokens": 4}' % (MODEL.encode(), fields)
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    assert store.count_completions() == 0
+    paired = b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d\\ude00 C:\\\\ud800"}], ' \
+             b'"max_tokens": 4}' % MODEL.encode()  # an escaped pair (an emoji), and an escaped backslash
+    r = client.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert store.count_completions() == 1
+
+
 def test_response_format_text_is_the_default_it_names():
     ok = req(response_format={"type": "text"})
     assert ChatCompletionCreate.model_validate(ok).response_format.type == "text"

@@ -131,6 +131,16 @@ AttributeValue = str | int | float | bool
 MAX_ATTRIBUTES = 16
 
 
+def encodable(text: str) -> bool:
+    """Whether text encodes as UTF-8: false for a lone surrogate (U+D800-U+DFFF), which JSON's \\ud800 escape
+    can carry and Python's json module accepts, but no database's text column (nor UTF-8 output) can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass
 class FeedbackEvent:
     """One signal about a completion or a session, as the client sent it (plus what the store assigns).
@@ -210,6 +220,9 @@ class FeedbackEvent:
                  self.error_type, self.user, self.api_key_name, *self.attributes, *self.attributes.values())
         if any(isinstance(text, str) and "\x00" in text for text in texts):
             raise ValueError(f"{where}: text cannot hold NUL characters (U+0000); PostgreSQL's text cannot store them")
+        if any(isinstance(text, str) and not text.isascii() and not encodable(text) for text in texts):
+            raise ValueError(f"{where}: text holds a lone UTF-16 surrogate (U+D800-U+DFFF), which is not Unicode "
+                             "text: no store can encode it")
 
     def content(self) -> dict[str, Any]:
         """What the client said: everything but the key and what the store assigns. Equal content under

@@ -10,13 +10,15 @@ internals.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -153,6 +155,39 @@ class BodyLimitMiddleware:
             return msg
 
         await self.app(scope, counting_receive, send)
+
+
+def lone_surrogate(body: bytes) -> bool:
+    """Whether a JSON body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): Python's json
+    accepts one, but it is not Unicode text, and the stores (and UTF-8 output) refuse it only once the model has
+    answered. Bodies without a \\u escape cannot hold one and are not parsed here."""
+    if b"\\u" not in body:
+        return False
+    try:
+        value = json.loads(body)
+    except ValueError:  # not JSON: the route's own parse answers it
+        return False
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+class UnicodeBodyRoute(APIRoute):
+    """A route whose JSON body must be Unicode text throughout: a lone surrogate anywhere in it is a 400 before
+    the handler runs (the body is read once; the handler's parse reuses it)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if lone_surrogate(await request.body()):
+                raise ApiError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                                    "without its pair), which is not Unicode text", code="invalid_value")
+            return await handler(request)
+
+        return checked
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -18,11 +18,11 @@ from fastapi.concurrency import run_in_threadpool
 
 from realtime_rl.serve.arms import Arms, Traffic
 from realtime_rl.serve.deps import AdminKey, StateDep
-from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError
+from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError, UnicodeBodyRoute
 from realtime_rl.serve.schemas import ArmPublic, ArmsPublic, TrafficPublic, TrafficUpdate
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
+router = APIRouter(prefix="/v1/admin", tags=["admin"], route_class=UnicodeBodyRoute)
 WRITE_TIMEOUT_S = 30.0
 _RESPONSES = {status: v for status, v in ERROR_RESPONSES.items() if status in (400, 401, 403, 503)}
 

@@ -35,13 +35,13 @@ from realtime_rl.serve.completions import (
     ARM_HEADER, Prepared, RequestInfo, build_record, engine_errors, prepare, record_completion, usage,
 )
 from realtime_rl.serve.deps import InferenceKey, ServeState, StateDep
-from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError
+from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError, UnicodeBodyRoute
 from realtime_rl.serve.schemas import (
     MAX_ID_LENGTH, ChatCompletionCreate, ChatCompletionPublic, CompletionCreate, TextCompletionPublic,
 )
 from realtime_rl.serve.streaming import ChatChunks, Chunks, stream_response
 
-router = APIRouter(prefix="/v1", tags=["chat"])
+router = APIRouter(prefix="/v1", tags=["chat"], route_class=UnicodeBodyRoute)
 T = TypeVar("T")
 
 

@@ -16,12 +16,12 @@ from fastapi.responses import StreamingResponse
 
 from realtime_rl.serve.completions import TEXT_DEFAULT_MAX_TOKENS, prepare_text
 from realtime_rl.serve.deps import InferenceKey, StateDep
-from realtime_rl.serve.errors import ERROR_RESPONSES
+from realtime_rl.serve.errors import ERROR_RESPONSES, UnicodeBodyRoute
 from realtime_rl.serve.routes.chat import Api, serve_completion
 from realtime_rl.serve.schemas import MAX_ID_LENGTH, CompletionCreate, TextCompletionPublic
 from realtime_rl.serve.streaming import TextChunks
 
-router = APIRouter(prefix="/v1", tags=["completions"])
+router = APIRouter(prefix="/v1", tags=["completions"], route_class=UnicodeBodyRoute)
 TEXT = Api("cmpl-", prepare_text, TextChunks, TextCompletionPublic, default_max_tokens=TEXT_DEFAULT_MAX_TOKENS)
 
 

@@ -17,11 +17,11 @@ from collections import Counter
 from fastapi import APIRouter
 
 from realtime_rl.serve.deps import FeedbackKey, StateDep
-from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError, ErrorPublic
+from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError, ErrorPublic, UnicodeBodyRoute
 from realtime_rl.serve.feedback_schemas import FeedbackAckPublic, FeedbackBatchCreate, FeedbackCreate
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1", tags=["feedback"])
+router = APIRouter(prefix="/v1", tags=["feedback"], route_class=UnicodeBodyRoute)
 STORE_TIMEOUT_S = 30.0
 _RETRY = {"Retry-After": "1"}
 _RESPONSES = {status: v for status, v in ERROR_RESPONSES.items() if status in (400, 401, 403, 503)} | {
