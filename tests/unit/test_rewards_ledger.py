@@ -316,3 +316,40 @@ def test_replay_reads_only_its_window(sqlite_store):
     assert replay(sqlite_store, RULES, since=t0 + 1, now=t0 + 200).completions == 0
     assert replay(sqlite_store, RULES, until=t0, now=t0 + 200).completions == 1  # edit-ok, created at t0 - 60
     assert replay(sqlite_store, RULES, until=t0 - 60, now=t0 + 200).completions == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_event_stamped_before_a_window_closed_but_committing_after_is_paid_not_late(backend, tmp_path,
+                                                                                        monkeypatch):
+    """A write stamps its events' recorded_at inside its transaction, before the commit: a ledger in another
+    process that settled by the wall clock read the store before that commit, settled the choice without the
+    event, and called it late when it came (a replay, which reads recorded_at, pays it)."""
+    import threading
+
+    with store_location(backend, tmp_path) as location:
+        gateway, loop = open_event_store(tmp_path, location), open_event_store(tmp_path, location)
+        closes_in = 1.0
+        gateway.add_completion(record("c1", "answer", time.time() - RULES.followup_window_s + closes_in))
+        committing, release = threading.Event(), threading.Event()
+        insert = gateway._insert_events
+
+        def slow_insert(conn, rows):  # stamped already; the commit waits
+            committing.set()
+            assert release.wait(30)
+            insert(conn, rows)
+
+        monkeypatch.setattr(gateway, "_insert_events", slow_insert)
+        writer = threading.Thread(target=gateway.add_events, args=([event("u", "followup_dissatisfied", "c1")],))
+        writer.start()
+        assert committing.wait(30)
+        time.sleep(closes_in + 0.2)  # the follow-up window has closed; the event is still committing
+        timer = threading.Timer(0.5, release.set)
+        timer.start()
+        with RewardLedger(tmp_path / "rewards.sqlite") as ledger:
+            update = ledger.update(loop, RULES)  # waits for the commit in flight, then reads the event
+        writer.join(30)
+        timer.join()
+        gateway.close()
+        loop.close()
+        (settled,) = update.settled
+        assert update.late == 0 and [c.event_id for c in settled.components if c.event_id] == ["u"]

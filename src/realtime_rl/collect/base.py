@@ -319,6 +319,12 @@ class EventStore(ABC):
         """How many feedback events the store holds."""
 
     @abstractmethod
+    def event_horizon(self) -> float:
+        """A time by which every event the store stamped earlier (`recorded_at`) is committed and listed: an event
+        is stamped inside its write, before its commit, so a reader that settles by the wall clock alone could
+        miss one still committing and later call it late."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release the connection; later calls fail."""
 

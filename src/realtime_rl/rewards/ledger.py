@@ -234,8 +234,12 @@ class RewardLedger:
 
     def update(self, store: EventStore, rules: RewardRules, now: float | None = None) -> LedgerUpdate:
         """Read what the store gained since the last call, and settle every pending choice whose windows
-        closed by `now` (default: the current time) under `rules`. One transaction."""
-        now = time.time() if now is None else now
+        closed by `now` under `rules`. One transaction. The default `now` is the store's `event_horizon`, not
+        the wall clock: an event stamped before a window closed but still committing would otherwise be read
+        after the choice settled, called late and never paid, though a replay pays it. A `now` the caller gives
+        (the loop's window end, in the past) is exact when it is not later than the horizon taken here first."""
+        horizon = store.event_horizon()  # before anything is read: every event stamped by then is listed
+        now = horizon if now is None else now
         result = LedgerUpdate()
         with self._write() as conn:
             result.completions = self._read_completions(conn, store)
