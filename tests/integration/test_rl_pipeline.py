@@ -323,10 +323,12 @@ def test_ray_actors_that_cannot_be_placed_are_a_clear_error(tmp_path, tiny_check
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rollout = _config(tmp_path / "run", tiny_checkpoint, backend="ray").rollout
-        backend = RayBackend(rollout.model_copy(update={"workers": 3, "timeout_s": 10}), tiny_checkpoint, group_size=2)
+        # 30 s: two actors start (checkpoint, engine, sandbox pool) well within it even on a loaded 2-core machine,
+        # where 10 s was too short for them after the Ray tests before this one.
+        backend = RayBackend(rollout.model_copy(update={"workers": 3, "timeout_s": 30}), tiny_checkpoint, group_size=2)
         model = load_checkpoint(tiny_checkpoint).model
         try:  # a CPU each, two CPUs: the third actor is never placed
-            with pytest.raises(TimeoutError, match=r"1 of 3 rollout actors not started after 10 s.*lower rollout"):
+            with pytest.raises(TimeoutError, match=r"1 of 3 rollout actors not started after 30 s.*lower rollout"):
                 backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
         finally:
             backend.close()
