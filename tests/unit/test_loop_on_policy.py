@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from realtime_rl.collect import ChoiceRecord, CompletionRecord
-from realtime_rl.loop.cycle import on_policy_rewards
+from realtime_rl.loop.training_data import on_policy_rewards
 from realtime_rl.rewards import SettledReward
 
 

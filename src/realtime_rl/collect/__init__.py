@@ -19,14 +19,14 @@ from pathlib import Path
 
 from realtime_rl.collect.base import (
     EVENT_TYPES, MAX_ATTRIBUTES, ChoiceRecord, CompletionRecord, EventBatchResult, EventConflict, EventStore, EventType,
-    FeedbackEvent, decode_routing, encode_routing,
+    FeedbackEvent, decode_routing, encodable, encode_routing,
 )
 from realtime_rl.collect.group import GroupCommitter
 from realtime_rl.collect.sqlite import SqliteEventStore
 
 __all__ = ["EVENT_TYPES", "MAX_ATTRIBUTES", "ChoiceRecord", "CompletionRecord", "EventBatchResult", "EventConflict",
            "EventStore", "EventType", "FeedbackEvent", "GroupCommitter", "SqliteEventStore", "decode_routing",
-           "encode_routing", "open_event_store", "postgres_unavailable"]
+           "encodable", "encode_routing", "open_event_store", "postgres_unavailable"]
 
 
 def open_event_store(run_dir: str | Path, store: str = "sqlite") -> EventStore:

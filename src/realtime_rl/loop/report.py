@@ -40,6 +40,21 @@ def read_cycles(run_dir: Path) -> list[dict[str, Any]]:
     return cycles
 
 
+def cycle_metrics(report: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """A cycle report's numeric leaves as flat metric keys (rewards/settled, train/reward_mean,
+    gate/evidence/p_value)."""
+    out: dict[str, float] = {}
+    for key, value in report.items():
+        if key in ("window_start", "cycle"):
+            continue
+        name = key if prefix and key.startswith(prefix) else f"{prefix}{key}"  # train/train/x -> train/x
+        if isinstance(value, dict):
+            out |= cycle_metrics(value, name + "/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
 def _svg(fig: Any) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")

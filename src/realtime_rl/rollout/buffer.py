@@ -129,7 +129,7 @@ class TrajectoryLog:
     def append(self, group: list[Episode]) -> None:
         buf = io.BytesIO()
         np.savez(buf, **{f"e{i}": np.frombuffer(episode_to_bytes(e), dtype=np.uint8) for i, e in enumerate(group)})
-        self._write(f"{group[0].group_id}.npz", buf.getvalue())
+        write_durably(self.root / f"{group[0].group_id}.npz", buf.getvalue())
 
     def tasks_handed_out(self) -> int | None:
         """How many tasks admission has handed out, as `hand_out` recorded (None: a log from before it)."""
@@ -139,11 +139,7 @@ class TrajectoryLog:
     def hand_out(self, count: int) -> None:
         """Record durably that `count` tasks have been handed out, before the last of them is submitted: a
         resumed trainer goes on from there, so no task (and no sampling seed) is handed out twice."""
-        self._write(TASKS_FILE, str(count).encode())
-
-    def _write(self, name: str, data: bytes) -> None:
-        """Replace root/name with data durably: temp file, fsync, rename, fsync of the directory."""
-        write_durably(self.root / name, data)
+        write_durably(self.root / TASKS_FILE, str(count).encode())
 
     def load(self, consumed: dict[int, list[str]]) -> list[list[Episode]]:
         """Every logged group none of whose episodes was consumed (`consumed`: version -> episode ids, as

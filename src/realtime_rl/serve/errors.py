@@ -23,6 +23,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from realtime_rl.collect import encodable
 from realtime_rl.serve.schemas import ApiModel
 
 log = logging.getLogger(__name__)
@@ -167,11 +168,7 @@ def lone_surrogate(body: bytes) -> bool:
         value = json.loads(body)
     except ValueError:  # not JSON: the route's own parse answers it
         return False
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+    return not encodable(json.dumps(value, ensure_ascii=False))
 
 
 class UnicodeBodyRoute(APIRoute):
