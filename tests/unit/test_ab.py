@@ -255,6 +255,7 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
     store.add_completion(completion("b", "u2", "candidate", 0.7))
     store.add_completion(completion("c", None, "candidate", 0.9, session="s9"))
     store.add_completion(completion("d", "u1", "champion", 0.4))
+    store.add_completion(completion("x", "u3", "candidate", 0.6))
     store.add_events([
         FeedbackEvent("e1", "edit_accepted", completion_id="a"),
         FeedbackEvent("e2", "edit_persisted", completion_id="a", window_s=600.0),
@@ -265,12 +266,15 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
         FeedbackEvent("e7", "edit_accepted", completion_id="c"),          # still inside its window: pending
         FeedbackEvent("e8", "followup_dissatisfied", session_id="s9"),    # session-only: not attributed
         FeedbackEvent("e9", "edit_rejected", completion_id="d"),          # rejected: no edit was made
+        FeedbackEvent("e10", "undelivered", completion_id="x"),           # nobody saw it: no outcome
+        FeedbackEvent("e11", "followup_dissatisfied", completion_id="x"),
     ])
     records = {r.completion_id: r for r in ab_records(store.list_completions(), store.list_events())}
     assert records["a"] == ABRecord("a", "champion", "u1", True, True, False, False, 0.5)
     assert records["b"] == ABRecord("b", "candidate", "u2", True, False, True, True, 0.7)
     assert records["c"] == ABRecord("c", "candidate", "s9", True, False, False, False, 0.9)
     assert records["d"] == ABRecord("d", "champion", "u1", False, False, False, False, 0.4)
+    assert "x" not in records
     report = analyze(list(records.values()), ABConfig())
     assert report.arms["candidate"] == {"completions": 2, "units": 2, "edits": 2, "resolved_edits": 1,
                                         "pending_edits": 1, "kept": 0, "reverted": 1, "dissatisfied": 1}

@@ -61,6 +61,7 @@ ONE_OF_EACH = [
     event("e-end", "session_end", **{"gen_ai.conversation.id": "sess-1"}),
     event("e-cus", "custom", **{"gen_ai.evaluation.name": "lint_clean", "gen_ai.evaluation.score.value": 3,
                                 "attributes": {"task.difficulty": 2, "editor": "vim", "ok": True}}),
+    event("e-und", "undelivered", attributes={"reason": "never shown"}),
 ]
 
 
@@ -68,7 +69,7 @@ def test_every_event_type_is_stored_under_its_otel_names_once_acknowledged(api):
     client, store = api
     r = client.post("/v1/feedback", json={"events": ONE_OF_EACH})
     assert r.status_code == 200, r.text
-    assert r.json() == {"object": "feedback.ack", "received": 9, "stored": 9, "duplicates": []}
+    assert r.json() == {"object": "feedback.ack", "received": 10, "stored": 10, "duplicates": []}
     got = {e.event_id: e for e in store.list_events()}  # the ack came after the commit
     assert [e.type for e in got.values()] == list(EVENT_TYPES)
     assert (got["e-acc"].completion_id, got["e-acc"].choice_index, got["e-acc"].value) == ("chatcmpl-1", 1, 0.8)
@@ -193,4 +194,4 @@ def test_a_failing_store_is_a_503_and_the_retry_succeeds(api, monkeypatch):
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
     assert "retry the same batch" in r.json()["error"]["message"]
     monkeypatch.setattr(store, "add_event_batches", real)
-    assert client.post("/v1/feedback", json={"events": ONE_OF_EACH}).json()["stored"] == 9
+    assert client.post("/v1/feedback", json={"events": ONE_OF_EACH}).json()["stored"] == len(ONE_OF_EACH)

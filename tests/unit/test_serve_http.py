@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 
 from tests.unit.test_serve_api import (
@@ -43,13 +44,7 @@ def test_a_client_that_leaves_before_its_answer_aborts_it_and_nothing_is_recorde
         async def send(message):
             sent.append(message)
 
-        headers = {"content-type": "application/json", "content-length": str(len(body)), **AUTH}
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-                 "root_path": "", "query_string": b"", "client": ("127.0.0.1", 50000),
-                 "server": ("testserver", 80),
-                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
-        asyncio.run(asyncio.wait_for(client.app(scope, receive, send), 60))
+        _asgi_post(client, chat(max_tokens=200), receive, send)
         deadline = time.monotonic() + 5  # the aborted request leaves the engine at its next step
         while engine.engine.num_running and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -57,6 +52,109 @@ def test_a_client_that_leaves_before_its_answer_aborts_it_and_nothing_is_recorde
         assert len(steps) < 100, "the engine generated the whole answer"
         assert store.count_completions() == 0
         assert sent[0]["status"] == 499
+
+
+def _asgi_post(client, body: dict, receive, send) -> None:
+    """POST /v1/chat/completions straight to the app over ASGI, with the test's receive and send."""
+    raw = json.dumps(body).encode()
+    headers = {"content-type": "application/json", "content-length": str(len(raw)), **AUTH}
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "root_path": "", "query_string": b"", "client": ("127.0.0.1", 50000), "server": ("testserver", 80),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(asyncio.wait_for(client.app(scope, receive, send), 60))
+
+
+def _undelivered(store, deadline_s: float = 10.0) -> list:
+    """The undelivered events, once the gateway's group commit has written one (it does not block the request)."""
+    deadline = time.monotonic() + deadline_s
+    while not (found := store.list_events()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [e for e in found if e.type == "undelivered"]
+
+
+def test_a_stream_whose_client_leaves_after_the_record_is_marked_undelivered(tmp_path, tokenizer):
+    """The record is written before the closing chunks; a client that goes away then never got the completion:
+    it stays recorded, with an `undelivered` event that keeps it out of training."""
+    with gateway(tmp_path, tokenizer) as (client, store, _):
+        body = json.dumps(chat(max_tokens=6, stream=True, user="ada")).encode()
+        messages, gone, sent = [{"type": "http.request", "body": body, "more_body": False}], asyncio.Event(), []
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if b'"finish_reason"' in message.get("body", b""):  # a closing chunk: the record is written
+                gone.set()
+                await asyncio.sleep(5)  # the server sees the disconnect while this chunk is on the wire
+
+        _asgi_post(client, json.loads(body), receive, send)
+        assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
+        [record] = store.list_completions()
+        [event] = _undelivered(store)
+        assert (event.completion_id, event.user, event.attributes) == (
+            record.completion_id, "ada", {"reason": "client_disconnected"})
+        assert 'rtrl_serve_undelivered_completions_total{reason="client_disconnected"} 1.0' in client.get(
+            "/metrics").text
+        r = client.post("/v1/chat/completions", json=chat(max_tokens=6, stream=True))  # one that is read
+        assert r.status_code == 200 and "[DONE]" in r.text
+        time.sleep(0.2)
+        assert len(_undelivered(store)) == 1
+
+
+def test_a_client_that_leaves_while_its_answer_is_recorded_gets_a_499_and_it_is_marked(tmp_path, tokenizer):
+    with gateway(tmp_path, tokenizer) as (client, store, _):
+        add, recorded = store.add_completion, threading.Event()
+
+        def add_and_tell(record):
+            add(record)
+            recorded.set()
+
+        store.add_completion = add_and_tell
+        messages, sent = [{"type": "http.request", "body": json.dumps(chat()).encode(), "more_body": False}], []
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            while not recorded.is_set():
+                await asyncio.sleep(0.005)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        _asgi_post(client, chat(), receive, send)
+        assert sent[0]["status"] == 499
+        [record] = store.list_completions()
+        [event] = _undelivered(store)
+        assert event.completion_id == record.completion_id
+
+
+def test_a_record_whose_write_outlasts_the_503_is_marked_undelivered(tmp_path, tokenizer, monkeypatch):
+    """Past STORE_TIMEOUT_S the answer is a 503 but the write may still commit: should it land, it is marked."""
+    import realtime_rl.serve.completions as completions
+
+    monkeypatch.setattr(completions, "STORE_TIMEOUT_S", 0.2)
+    with gateway(tmp_path, tokenizer) as (client, store, _):
+        add = store.add_completion
+
+        def slow_add(record):
+            time.sleep(1.0)
+            add(record)
+
+        store.add_completion = slow_add
+        r = client.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        [event] = _undelivered(store)
+        assert event.attributes == {"reason": "store_timeout"}
+        deadline = time.monotonic() + 10
+        while not store.count_completions() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.list_completions()[0].completion_id == event.completion_id
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(tmp_path, tokenizer, monkeypatch):

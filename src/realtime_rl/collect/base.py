@@ -10,7 +10,8 @@
 A `CompletionRecord` is one chat-completion request (who asked, which model and version, the prompt
 tokens, timings) with one `ChoiceRecord` per returned choice (tokens, logprobs, per-token versions,
 MoE routing, what the client was answered, and the tool-call parse). A `FeedbackEvent` is one signal a
-user gave about a completion or a session (an edit kept, reverted, a dissatisfied follow-up, ...).
+user gave about a completion or a session (an edit kept, reverted, a dissatisfied follow-up, ...), or
+that its answer never reached the user (`undelivered`: recorded, never trained).
 Stores keep one table per record kind (completions; choices keyed by (completion_id, choice_index);
 feedback_events keyed by event_id) with JSON text for arrays and the routing array as raw bytes plus
 its shape and dtype, so that every SQL store shares the row codec below. `seq` is a store-assigned,
@@ -124,7 +125,7 @@ class CompletionRecord:
 
 EventType = Literal[
     "edit_accepted", "edit_rejected", "edit_persisted", "edit_reverted", "followup_dissatisfied",
-    "followup_neutral", "tool_call_error", "session_end", "custom",
+    "followup_neutral", "tool_call_error", "session_end", "custom", "undelivered",
 ]
 EVENT_TYPES: tuple[str, ...] = get_args(EventType)
 AttributeValue = str | int | float | bool
@@ -146,7 +147,7 @@ class FeedbackEvent:
     """One signal about a completion or a session, as the client sent it (plus what the store assigns).
 
     Invariants (checked on construction; ValueError names the field): `completion_id` or `session_id` is
-    set (a `session_end` needs the session); a `custom` event has a `name` and a `value`, and only custom
+    set (a `session_end` needs the session, an `undelivered` the completion); a `custom` event has a `name` and a `value`, and only custom
     events have a name; `edit_persisted` has `window_s` > 0 (how long the edit stayed), and only edit
     events have one; tool fields belong to `tool_call_error`; numbers are finite; at most 16 attributes; no
     text holds a NUL character.
@@ -194,6 +195,8 @@ class FeedbackEvent:
             raise ValueError(f"{where}: name the completion (its response id) or the session (conversation id)")
         if self.type == "session_end" and self.session_id is None:
             raise ValueError(f"{where}: session_end needs the session (conversation id)")
+        if self.type == "undelivered" and self.completion_id is None:
+            raise ValueError(f"{where}: undelivered needs the completion (its response id)")
         if self.type == "custom" and (self.name is None or self.value is None):
             raise ValueError(f"{where}: a custom event needs a name and a numeric value")
         if self.type != "custom" and self.name is not None:

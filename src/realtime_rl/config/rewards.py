@@ -54,10 +54,10 @@ class ActionRewards(StrictModel):
     """Per malformed tool call, whatever else the completion did (a malformed completion pays only this)."""
 
 
-SETTLE_SEMANTICS = 2
+SETTLE_SEMANTICS = 3
 """Bumped when rules.settle pays the same numbers differently (2: an edit_persisted decides only once the store's
-clock shows the persist window; a session_end closes only completions created before it), so that a digest
-names what was paid."""
+clock shows the persist window; a session_end closes only completions created before it; 3: an undelivered
+completion is settled untrainable), so that a digest names what was paid."""
 
 
 class RewardRules(StrictModel):

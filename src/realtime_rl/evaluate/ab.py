@@ -119,7 +119,10 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
 
     Where they still differ: the rules decide per choice and only for an item that awaits an edit (an edit
     reply, or one accepted within the follow-up window); here any completion with an edit event counts,
-    and a dissatisfied follow-up counts whenever it was recorded (the rules pay it only before the close)."""
+    and a dissatisfied follow-up counts whenever it was recorded (the rules pay it only before the close).
+
+    A completion with an `undelivered` event is left out: its answer never reached the user, so it has no
+    outcome (the rules settle it untrainable)."""
     by_completion: dict[str, list[FeedbackEvent]] = defaultdict(list)
     for event in events:
         if event.completion_id is not None:
@@ -130,6 +133,8 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
         seen = sorted(by_completion.get(c.completion_id, []), key=lambda e: (e.recorded_at, e.seq or 0))
         decision = next((e.type for e in seen if _decides(e, c.created_at, persist_window_s, horizon_s)), None)
         types = {e.type for e in seen}
+        if "undelivered" in types:
+            continue
         records.append(ABRecord(
             completion_id=c.completion_id, arm=c.arm, unit=c.user or c.session_id,
             edited=bool(types & EDIT_EVENTS) and decision != "edit_rejected", kept=decision == "edit_persisted",

@@ -26,6 +26,9 @@ replay (which recomputes over stored traffic), so both pay by the same rule:
   censored_credit x weights.edit_persisted more (the rest of what was known is paid as usual); under
   "exclude", the settlement is kept for the record but marked untrainable.
 * The sum is clipped to [clip_min, clip_max]; a "clip" component shows by how much.
+* Undelivered: an `undelivered` event recorded by the close (the gateway's, when the client went away after
+  the completion was recorded, or the client's own) pays nothing and makes the settlement untrainable: a reply
+  nobody saw drew no feedback, so its reward says nothing about it.
 
 Session-level events (no completion id) pay nothing: a reward belongs to a completion. A session_end
 closes the follow-up windows of its session's completions.
@@ -82,7 +85,7 @@ class Settlement:
     """The clipped sum of the components."""
     components: list[Component]
     trainable: bool
-    """False for censored rewards under censored_policy "exclude"."""
+    """False for censored rewards under censored_policy "exclude", and for undelivered completions."""
     closed_at: float
     """Events recorded after this are late."""
     late_event_ids: list[str] = field(default_factory=list)
@@ -163,9 +166,13 @@ def settle(item: Item, events: list[FeedbackEvent], rules: RewardRules, now: flo
         components.append(Component("malformed_calls", item.malformed_calls * rules.actions.malformed_call,
                                     note=f"{item.malformed_calls} x {rules.actions.malformed_call}"))
     paid_edits: set[str] = set()
-    decided = False
+    decided = undelivered = False
     for e in (e for e in events if e.recorded_at <= closed_at):
         note = ""
+        if e.type == "undelivered":
+            undelivered = True
+            components.append(Component("event:undelivered", 0.0, e.event_id, "never reached the user: not trained"))
+            continue
         if e.type == "custom":
             weight = rules.custom.get(e.name)
             amount = 0.0 if weight is None else weight * e.value
@@ -192,5 +199,5 @@ def settle(item: Item, events: list[FeedbackEvent], rules: RewardRules, now: flo
     if reward != total:
         components.append(Component("clip", reward - total, note=f"to [{rules.clip_min:g}, {rules.clip_max:g}]"))
     return Settlement(status=status, reward=reward, components=components,
-                      trainable=not (status == "censored" and rules.censored_policy == "exclude"),
+                      trainable=not (undelivered or (status == "censored" and rules.censored_policy == "exclude")),
                       closed_at=closed_at, late_event_ids=[e.event_id for e in events if e.recorded_at > closed_at])

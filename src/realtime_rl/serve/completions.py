@@ -5,6 +5,8 @@
     prepared = prepare_text(body, tokenizer, max_seq_len, max_batch)               # /v1/completions
     public, record = build_text_choice(sample, prepared, tokenizer, completion_id)
     record = build_record(output, prepared, choice_records, info, stream)
+    await record_completion(state, record)                  # before the answer; a store failure is a 503
+    mark_undelivered(state, record, reason)                 # the client never got it (recorded, never trained)
 
 The prompt is `tokenizer.encode(render_messages(messages, tools, add_generation_prompt=True))`, with the
 tools left out when tool_choice is "none". Generation stops at the tokenizer's stop tokens, and with
@@ -27,20 +29,22 @@ from __future__ import annotations
 import asyncio
 import codecs
 import logging
+import queue
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.concurrency import run_in_threadpool
 
-from realtime_rl.collect import ChoiceRecord, CompletionRecord, EventStore
+from realtime_rl.collect import ChoiceRecord, CompletionRecord, FeedbackEvent
 from realtime_rl.engine import EngineOverloaded, RequestOutput, SampleOutput, SamplingParams
 from realtime_rl.model import Tokenizer, parse_assistant, render_messages
 from realtime_rl.model.chat import TOOL_CALL_CLOSE
+from realtime_rl.serve.deps import ServeState
 from realtime_rl.serve.errors import ApiError
-from realtime_rl.serve.metrics import GatewayMetrics
 from realtime_rl.serve.schemas import (
     AssistantMessagePublic, ChatCompletionCreate, ChoiceLogprobsPublic, ChoicePublic, CompletionChoicePublic,
     CompletionCreate, CompletionLogprobsPublic, TokenLogprobPublic, TopLogprobPublic, UsagePublic,
@@ -289,18 +293,50 @@ def build_record(output: RequestOutput, prepared: Prepared, choices: list[Choice
     )
 
 
-async def record_completion(store: EventStore, metrics: GatewayMetrics, record: CompletionRecord) -> None:
-    """Write the record before the answer goes out; a store that fails or stalls is a 503, never a lost record."""
+async def record_completion(state: ServeState, record: CompletionRecord) -> None:
+    """Write the record before the answer goes out; a store that fails or stalls is a 503, never a lost record.
+    A write that outlasted STORE_TIMEOUT_S may still commit after the 503: it is marked undelivered."""
     try:
-        await asyncio.wait_for(run_in_threadpool(store.add_completion, record), STORE_TIMEOUT_S)
+        await asyncio.wait_for(run_in_threadpool(state.store.add_completion, record), STORE_TIMEOUT_S)
     except Exception as e:  # the store is a real boundary: disk full, locked, closed, slow
         log.exception("could not record completion %s", record.completion_id)
+        if isinstance(e, TimeoutError):
+            mark_undelivered(state, record, "store_timeout")
         raise ApiError(503, f"the event store could not record the completion ({type(e).__name__}); retry",
                        code="store_unavailable", headers={"Retry-After": "1"}) from None
+    metrics = state.metrics
     metrics.completions.inc()
     metrics.prompt_tokens.inc(len(record.prompt_token_ids))
     metrics.generated_tokens.inc(record.completion_tokens)
     metrics.malformed_tool_calls.inc(sum(c.malformed_tool_calls for c in record.choices))
+
+
+UndeliveredReason = Literal["client_disconnected", "stream_error", "store_timeout"]
+
+
+def mark_undelivered(state: ServeState, record: CompletionRecord, reason: UndeliveredReason) -> None:
+    """Record that a recorded completion's answer never reached the client (it went away after the record, a
+    stream ended in an error event, or the record's write outlasted the 503): an `undelivered` event, which
+    the reward rules settle as untrainable (nobody saw the reply, so no feedback on it means nothing).
+    Synchronous and never raises: it runs where the request is being torn down (a cancelled stream); the
+    write goes through the feedback group commit, and a failure is logged. Its id is derived from the
+    completion's, so marking twice stores one event."""
+    state.metrics.undelivered.labels(reason).inc()
+    try:
+        future = state.feedback.submit([FeedbackEvent(
+            event_id=f"undelivered-{record.completion_id}", type="undelivered", completion_id=record.completion_id,
+            session_id=record.session_id, user=record.user, attributes={"reason": reason})])
+    except (ValueError, queue.Full, RuntimeError) as e:  # full, or closed at shutdown
+        log.warning("completion %s was not delivered (%s) and could not be marked: %s", record.completion_id,
+                    reason, e)
+        return
+
+    def done(f: Future) -> None:
+        if f.exception() is not None:
+            log.warning("completion %s was not delivered (%s) and could not be marked: %s", record.completion_id,
+                        reason, f.exception())
+
+    future.add_done_callback(done)
 
 
 def usage(record: CompletionRecord) -> UsagePublic:

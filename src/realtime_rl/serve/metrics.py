@@ -70,6 +70,9 @@ class GatewayMetrics:
                                     ["arm", "status"], registry=r)
         self.arm_duration = Histogram("rtrl_serve_arm_request_duration_seconds",
                                       "Duration to the last body byte, by arm", ["arm"], buckets=_BUCKETS, registry=r)
+        self.undelivered = Counter("rtrl_serve_undelivered_completions",
+                                   "Recorded completions whose answer did not reach the client (never trained)",
+                                   ["reason"], registry=r)
         self.stream_errors = Counter("rtrl_serve_stream_errors", "Streams ended by an error event",
                                      ["arm", "code"], registry=r)
         self.arm_version = Gauge("rtrl_serve_arm_version", "Policy version each arm serves (NaN: no such arm yet)",

@@ -11,11 +11,14 @@ without `[DONE]` carries an error event instead and was not acknowledged.
 Deltas never need retracting: text that may still turn into a stop string, a `<tool_call>` block (when
 tools are offered) or an incomplete UTF-8 character is held back until it is decided. A client that
 goes away mid-stream aborts the engine request; such a completion is not recorded (it was never
-acknowledged, and its logprobs were never computed into an output).
+acknowledged, and its logprobs were never computed into an output). One that goes away after the record,
+before `[DONE]` was sent (or a stream that ends in an error event there), leaves a record marked
+`undelivered` (completions.mark_undelivered): kept, never trained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -30,8 +33,8 @@ from realtime_rl.engine import AsyncEngine, RequestOutput, SampleOutput, TokenEv
 from realtime_rl.model import Tokenizer
 from realtime_rl.model.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from realtime_rl.serve.completions import (
-    ARM_HEADER, Prepared, RequestInfo, build_choice, build_record, build_text_choice, engine_errors,
-    oldest_version, record_completion, usage,
+    ARM_HEADER, Prepared, RequestInfo, UndeliveredReason, build_choice, build_record, build_text_choice,
+    engine_errors, mark_undelivered, oldest_version, record_completion, usage,
 )
 from realtime_rl.serve.deps import ServeState
 from realtime_rl.serve.errors import ApiError
@@ -214,8 +217,9 @@ async def _body(state: ServeState, shape: Chunks, first: TokenEvent,
                 yield shape.delta(event.index, delta)
             with engine_errors(None):  # a timeout (504) or an engine thread that died (503)
                 event = await anext(events)
-        async for line in _finish(state, shape, event.output, streamers):
-            yield line
+        async with contextlib.aclosing(_finish(state, shape, event.output, streamers)) as lines:
+            async for line in lines:  # closed with this stream: a client gone after the record is marked there
+                yield line
     except Exception as e:  # the status line is sent (200): the client learns of it from the last event
         if isinstance(e, ApiError):
             err = e
@@ -235,11 +239,20 @@ async def _finish(state: ServeState, shape: Chunks, output: RequestOutput,
         lambda: [shape.build_choice(s, prepared, state.tokenizer, info.completion_id)
                  for s in output.samples])
     record = build_record(output, prepared, [r for _, r in built], info, stream=True)
-    await record_completion(state.store, state.metrics, record)  # acknowledged only after this
-    for (public, _), streamer in zip(built, streamers):
-        for line in shape.closing(public, streamer.finish(shape.content(public))):
-            yield line
-    options = prepared.body.stream_options
-    if options is not None and options.include_usage:
-        yield shape.chunk([], usage(record))
-    yield "data: [DONE]\n\n"
+    await record_completion(state, record)  # acknowledged only after this
+    reason: UndeliveredReason | None = "client_disconnected"  # closed or cancelled at a yield: the client went away
+    try:
+        for (public, _), streamer in zip(built, streamers):
+            for line in shape.closing(public, streamer.finish(shape.content(public))):
+                yield line
+        options = prepared.body.stream_options
+        if options is not None and options.include_usage:
+            yield shape.chunk([], usage(record))
+        yield "data: [DONE]\n\n"
+        reason = None  # resumed after [DONE] was sent
+    except Exception:
+        reason = "stream_error"  # the client gets an error event, not the completion
+        raise
+    finally:
+        if reason is not None:
+            mark_undelivered(state, record, reason)

@@ -5,7 +5,9 @@ names a record that is already on disk. The session is the `X-Session-Id` header
 `metadata["session_id"]`; the user is the request's `user` field; both are recorded as given.
 
 A client that goes away before a plain (non-stream) answer is ready aborts its engine request, and the
-completion is not recorded, as for streams (streaming.py): nobody received it.
+completion is not recorded, as for streams (streaming.py): nobody received it. One that goes away while the
+record is written leaves it marked `undelivered` (kept, never trained). A disconnect after that is not seen
+(the server drops what it writes to a closed connection).
 
 The arm (champion or candidate) is picked from the user, else the session (serve/arms.py); it answers
 the request, is recorded with it and named in the `X-Rtrl-Arm` header (errors after the pick too);
@@ -32,7 +34,8 @@ from fastapi.responses import StreamingResponse
 from realtime_rl.config import ApiKey
 from realtime_rl.engine import AsyncEngine
 from realtime_rl.serve.completions import (
-    ARM_HEADER, Prepared, RequestInfo, build_record, engine_errors, prepare, record_completion, usage,
+    ARM_HEADER, Prepared, RequestInfo, build_record, engine_errors, mark_undelivered, prepare, record_completion,
+    usage,
 )
 from realtime_rl.serve.deps import InferenceKey, ServeState, StateDep
 from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError, UnicodeBodyRoute
@@ -119,7 +122,11 @@ async def _complete(api: Api, state: ServeState, engine: AsyncEngine,
         lambda: [api.chunks.build_choice(s, prepared, state.tokenizer, info.completion_id)
                  for s in output.samples])
     record = build_record(output, prepared, [r for _, r in built], info, stream=False)
-    await record_completion(state.store, state.metrics, record)
+    await record_completion(state, record)
+    if await request.is_disconnected():  # gone while the record was written: recorded, never trained
+        mark_undelivered(state, record, "client_disconnected")
+        raise ApiError(499, "the client closed the request before the completion was sent",
+                       code="client_closed_request")
     response.headers[ARM_HEADER] = info.arm
     return api.answer(
         id=info.completion_id, created=int(info.created_at), model=info.model_name,
