@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from realtime_rl.config import AgentConfig, RLConfig, RolloutConfig, TrainConfig
+from realtime_rl.model import load_checkpoint
 from realtime_rl.rollout import TrajectoryLog, train
 from realtime_rl.rollout.base import groups_per_worker
 from realtime_rl.rollout.local import LocalBackend
@@ -228,7 +230,6 @@ def test_synchronous_mode_trains_only_on_the_current_version(tmp_path, tiny_chec
 
 def test_weights_published_in_bf16_reach_the_workers_as_the_trainers_weights_rounded(tmp_path, tiny_checkpoint):
     from realtime_rl.deploy import FilesystemTransport, WeightSubscriber
-    from realtime_rl.model import load_checkpoint
 
     config = _config(tmp_path / "run", tiny_checkpoint, steps=2, max_staleness=0)
     config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"weights_dtype": "bfloat16"})})
@@ -269,6 +270,22 @@ def test_closing_local_workers_reads_what_they_flush_so_they_exit_by_themselves(
     assert backend._get(120) == ("ready", 0)  # started (a spawned child's imports take a while on a busy machine)
     backend.close()
     assert proc.exitcode == 0  # not killed (-9) after a wait on its full pipe
+
+
+def test_a_local_worker_killed_at_close_leaves_no_directories(tmp_path, tiny_checkpoint, monkeypatch):
+    """A worker that does not stop in time (here: stopped with SIGSTOP) is killed and cannot clean up; its
+    temporary directory, which holds its work and sandbox directories, goes with the backend anyway."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    rollout = _config(tmp_path / "run", tiny_checkpoint).rollout
+    backend = LocalBackend(rollout, tiny_checkpoint, group_size=2, weights_dir=tmp_path / "weights")
+    backend.start(load_checkpoint(tiny_checkpoint).model.state_dict(), 0)
+    assert list((tmp_path / "tmp").glob("rtrl-worker-0-*/rtrl-rollout-0-*"))
+    [proc] = backend._procs
+    os.kill(proc.pid, signal.SIGSTOP)
+    backend.close(timeout_s=1.0)
+    assert proc.exitcode == -signal.SIGKILL
+    assert not list((tmp_path / "tmp").iterdir())
 
 
 def test_local_workers_weights_in_a_temporary_directory_go_with_the_backend(tiny_checkpoint, tmp_path):
@@ -372,7 +389,7 @@ def test_sigkilled_trainer_resumes_without_losing_or_retraining_a_group(tmp_path
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    assert list(tmp.glob("rtrl-rollout-*")), "the workers' work directories were not where the test looks"
+    assert list(tmp.glob("rtrl-worker-*/rtrl-rollout-*")), "the workers' work directories were not where the test looks"
     deadline = time.monotonic() + 60
     while list(tmp.glob("rtrl-*")):  # orphaned workers close their engines and sandboxes on the way out
         assert time.monotonic() < deadline, f"an orphaned worker left {sorted(p.name for p in tmp.iterdir())}"

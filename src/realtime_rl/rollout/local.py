@@ -7,6 +7,8 @@ Weights travel through the weight-sync path of `realtime_rl.deploy`: the trainer
 writes a verified lossless delta (and periodic snapshots) into run_dir/weights on the filesystem
 transport; each worker's WeightSubscriber follows the chain and hands the rebuilt state to its
 engine's hot swap. A worker runs several groups at once on threads so its engine batch stays full.
+Each worker's temporary files (its task and sandbox directories) live in a directory of its own, which the
+worker removes on its way out (orphaned too) and close() removes after stopping it, killed or not.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ import torch
 
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import FilesystemTransport, WeightPublisher, WeightSubscriber
+from realtime_rl.environments.sandbox.launch import remove_tree
 from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
 
-def _worker_main(checkpoint_dir: str, weights_dir: str, config: RolloutConfig, worker_id: int, seed: int,
-                 group_size: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: RolloutConfig, worker_id: int,
+                 seed: int, group_size: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    tempfile.tempdir = os.environ["TMPDIR"] = scratch  # its work and sandbox directories, removed with it
     try:
         worker = RolloutWorker(checkpoint_dir, config, worker_id, seed)
         subscriber = WeightSubscriber(FilesystemTransport(weights_dir, timeout_s=config.timeout_s),
@@ -75,6 +79,7 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, config: RolloutConfig, w
     finally:
         groups.shutdown(wait=False, cancel_futures=True)
         worker.close()  # its engine, sandboxes and work directories, orphaned or not
+        remove_tree(scratch)
         if orphaned:
             outbox.cancel_join_thread()  # nobody reads the pipe any more: do not wait to flush it
         outbox.close()
@@ -95,6 +100,8 @@ class LocalBackend(RolloutBackend):
         self._outbox: mp.Queue = self._ctx.Queue()
         self._inboxes: list[mp.Queue] = []
         self._procs: list[mp.process.BaseProcess] = []
+        self._scratch: list[Path] = []
+        """Each worker's temporary directory: what it leaves there goes when close() has stopped it (killed too)."""
         self._jobs: dict[str, int] = {}
 
     @property
@@ -104,9 +111,10 @@ class LocalBackend(RolloutBackend):
     def start(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         for wid in range(self.config.workers):
             inbox = self._ctx.Queue()
+            self._scratch.append(Path(tempfile.mkdtemp(prefix=f"rtrl-worker-{wid}-")))
             proc = self._ctx.Process(target=_worker_main, name=f"rtrl-rollout-{wid}", daemon=True,
-                                     args=(str(self.checkpoint_dir), str(self.weights_dir), self.config, wid,
-                                           self.seed, self.group_size, inbox, self._outbox))
+                                     args=(str(self.checkpoint_dir), str(self.weights_dir), str(self._scratch[-1]),
+                                           self.config, wid, self.seed, self.group_size, inbox, self._outbox))
             proc.start()
             self._inboxes.append(inbox)
             self._procs.append(proc)
@@ -164,10 +172,12 @@ class LocalBackend(RolloutBackend):
         for inbox in self._inboxes:
             inbox.put(("weights", version))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers: each closes its engine and sandboxes; one still running after `timeout_s` is
+        killed. Their temporary directories go either way."""
         for inbox in self._inboxes:
             inbox.put(("stop",))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + timeout_s
         while any(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
             with contextlib.suppress(queue.Empty):  # a worker exits only once what it sent is off a full pipe
                 self._outbox.get(timeout=0.1)
@@ -176,6 +186,9 @@ class LocalBackend(RolloutBackend):
                 proc.kill()
             proc.join(timeout=5)
         self._procs.clear()
+        for scratch in self._scratch:
+            remove_tree(scratch)
+        self._scratch.clear()
         for q in (*self._inboxes, self._outbox):  # their pipes and feeder threads; a dead reader must not block
             q.cancel_join_thread()
             q.close()

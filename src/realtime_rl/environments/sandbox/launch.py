@@ -289,8 +289,13 @@ class SandboxProcess:
             self.cgroup.remove()
             self.cgroup = None
         if self.host_workdir:
-            shutil.rmtree(self.host_workdir, onerror=_force_remove)
+            remove_tree(self.host_workdir)
             self.host_workdir = None
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Remove a directory tree that sandboxed code may have made unwritable (best effort: what cannot go stays)."""
+    shutil.rmtree(path, onerror=_force_remove)
 
 
 def _force_remove(func, path, _exc) -> None:
