@@ -462,3 +462,20 @@ def test_run_calls_returns_each_value_or_what_was_raised_and_the_cache_runs_it_o
     assert cache.run_calls(files, "calc", "twice", ["[1]"]) is first
     assert decode_value(cache.run_calls(files, "calc", "twice", ["[2]"]).results[0][1]) == [2, 2]
     assert (cache.runs, cache.hits) == (2, 1)
+
+
+def test_remove_tree_removes_an_unwritable_tree_and_never_touches_its_parent(tmp_path):
+    """A tree sandboxed code made read-only goes; removing one that is gone already (a worker removed its own,
+    then the backend tried) must not chmod the parent: it once turned /tmp into 0700."""
+    from realtime_rl.environments.sandbox.launch import remove_tree
+
+    parent = tmp_path / "parent"
+    tree = parent / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "f").write_text("x")
+    (tree / "sub").chmod(0o500)
+    parent.chmod(0o755)
+    remove_tree(tree)
+    assert not tree.exists()
+    remove_tree(tree)
+    assert parent.stat().st_mode & 0o777 == 0o755

@@ -294,14 +294,19 @@ class SandboxProcess:
 
 
 def remove_tree(path: str | os.PathLike) -> None:
-    """Remove a directory tree that sandboxed code may have made unwritable (best effort: what cannot go stays)."""
-    shutil.rmtree(path, onerror=_force_remove)
+    """Remove a directory tree that sandboxed code may have made unwritable (best effort: what cannot go stays).
+    A path that is gone already is left alone: the permission repair must never reach the tree's parent."""
+    root = os.path.abspath(path)
+    if not os.path.lexists(root):
+        return
 
+    def force_remove(func, failed, _exc) -> None:
+        try:
+            if os.path.abspath(failed) != root:
+                os.chmod(os.path.dirname(failed), 0o700)
+            os.chmod(failed, 0o700)
+            func(failed)
+        except OSError:
+            pass
 
-def _force_remove(func, path, _exc) -> None:
-    try:
-        os.chmod(os.path.dirname(path), 0o700)
-        os.chmod(path, 0o700)
-        func(path)
-    except OSError:
-        pass
+    shutil.rmtree(root, onerror=force_remove)
