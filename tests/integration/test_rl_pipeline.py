@@ -319,8 +319,12 @@ def test_closing_ray_workers_stops_every_one_when_one_has_died(tmp_path, tiny_ch
         model = load_checkpoint(tiny_checkpoint).model
         backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
         dead, alive = backend._actors
+        scratch = [Path(path) for _, path in backend._where]
+        assert all(path.is_dir() and path.name.startswith(f"rtrl-worker-{i}-") for i, path in enumerate(scratch))
+        assert all(list(path.glob(f"rtrl-rollout-{i}-*")) for i, path in enumerate(scratch))  # the work goes there
         ray.kill(dead)
         backend.close()  # the dead worker's close fails; the live one is stopped all the same
+        assert not any(path.exists() for path in scratch)  # the killed actor's by a task on its node
         with pytest.raises(ValueError):  # and the run's weight directory actor, with the snapshots it held
             ray.get_actor(backend._weights)
         deadline = time.monotonic() + 60
