@@ -15,12 +15,16 @@ DEBS   := bubblewrap python3-pytest
 demo: $(VENV)/.runtime system-deps
 	$(VENV)/bin/rtrl demo
 
+# Two pytest-xdist workers: much of the suite waits (servers, subprocesses, sandboxes, timeouts), so two share
+# two cores well (BENCHMARKS.md, "suite"); tests never share a port, a schema or a directory.
+XDIST  := -n 2
+
 test: $(VENV)/.dev system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # GPU tests too (needs CUDA).
 test-all: $(VENV)/.dev system-deps
-	$(PY) -m pytest -q -m ''
+	$(PY) -m pytest -q $(XDIST) -m ''
 
 $(VENV)/bin/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "realtime-rl needs Python >= 3.11"'
