@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,13 @@ def tiny_config(moe: bool = False, **overrides) -> ModelConfig:
         base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers on two cores), each worker's torch takes one thread:
+    two workers of two threads each would oversubscribe the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(params=[False, True], ids=["dense", "moe"])
