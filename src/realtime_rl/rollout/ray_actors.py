@@ -40,10 +40,10 @@ class _Actor:
 
         from realtime_rl.deploy import RayTransport
 
+        self.node_id = ray.get_runtime_context().get_node_id()
         # The actor owns its process: its work and sandbox directories go under a scratch directory of its own.
         self.scratch = tempfile.mkdtemp(prefix=f"rtrl-worker-{worker_id}-")
         tempfile.tempdir = os.environ["TMPDIR"] = self.scratch
-        self.node_id = ray.get_runtime_context().get_node_id()
         try:
             self.worker = RolloutWorker(checkpoint_dir, config, worker_id, seed)
         except BaseException:
