@@ -24,6 +24,7 @@ from realtime_rl.train.rl import (
     MICRO_BATCH_TOKENS,
     SHARED_RUN_MIN_TOKENS,
     STATE_FILE,
+    latest_checkpoint,
 )
 from realtime_rl.types import Episode, Segment, episode_from_bytes, episode_to_bytes
 from tests.conftest import tiny_config
@@ -555,7 +556,51 @@ def test_a_non_finite_gradient_skips_the_update(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(math.inf))
     metrics = trainer.step(_episodes(engine, 0))
     assert metrics["train/skipped_nonfinite_updates"] == 1.0 and trainer.version == 1
+    assert "train/grad_norm" not in metrics  # no update was taken: no norm to report
     assert all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+
+
+def test_skipped_updates_are_counted_and_the_others_norms_kept(tmp_path, monkeypatch):
+    """Four minibatches, the third's gradient not finite: three updates taken, one skipped (a count, not 0.25),
+    and the mean gradient norm is of the three (the skipped one's inf made it inf, logged as null)."""
+    trainer = RLTrainer(_model(), None, RLConfig(minibatches=4), tmp_path)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    engine.update_weights(trainer.weights(), 0)
+    clip, norms = torch.nn.utils.clip_grad_norm_, []
+
+    def third_overflows(params, max_norm):
+        norm = clip(params, max_norm)
+        norms.append(math.inf if len(norms) == 2 else float(norm))
+        return torch.tensor(norms[-1])
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", third_overflows)
+    metrics = trainer.step(_episodes(engine, 0))
+    taken = [n for n in norms if math.isfinite(n)]
+    assert len(norms) == 4 and metrics["train/skipped_nonfinite_updates"] == 1.0
+    assert metrics["train/grad_norm"] == pytest.approx(sum(taken) / 3) and metrics["train/grad_norm_max"] == max(taken)
+
+
+def test_episodes_given_twice_are_named(tmp_path):
+    trainer = RLTrainer(_model(), None, RLConfig(), tmp_path)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    engine.update_weights(trainer.weights(), 0)
+    episodes = _episodes(engine, 0)
+    with pytest.raises(ValueError, match=f"given twice or already consumed .*: {episodes[0].episode_id}$"):
+        trainer.step(episodes + episodes[:1])
+    trainer.step(episodes)
+    ids = sorted(e.episode_id for e in episodes)
+    with pytest.raises(ValueError, match=f": {', '.join(ids[:5])} and {len(ids) - 5} more$"):
+        trainer.step(episodes)
+
+
+def test_checkpoints_are_ordered_by_version_past_seven_digits(tmp_path):
+    trainer = RLTrainer(_model(), None, RLConfig(), tmp_path)
+    for version in (9_999_998, 9_999_999, 10_000_000):
+        trainer.version = version
+        trainer.save(keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["v-10000000", "v-9999999"]  # the oldest went, not the one just written
+    assert latest_checkpoint(tmp_path).name == "v-10000000"
 
 
 def test_a_resumed_trainer_takes_its_betas_and_weight_decay_from_the_config(tmp_path):

@@ -43,6 +43,9 @@ def test_a_recorded_completion_is_the_trainers_exact_view(tmp_path, tokenizer):
     assert request_metadata(record) == {"task_id": "t-1", "difficulty": "2"}
     with pytest.raises(ValueError, match="no choice 3"):
         traffic_segment(record, 3)
+    for index in (3, -1):  # -1 picked the last choice, then the check refused it with the wrong choice read
+        with pytest.raises(ValueError, match=f"completion {cid} has no choice {index}"):
+            traffic_episode(record, index, reward=1.0)
 
 
 def _first_token_mass(model, prompt: list[int], good: torch.Tensor) -> float:

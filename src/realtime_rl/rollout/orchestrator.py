@@ -20,6 +20,7 @@ token keeps its own) while the trainer trains.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -127,8 +128,6 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
     next_task = buffer.started if handed_out is None else handed_out  # only grows: drops give back no task
     for group in pending:
         buffer.add(group)
-    sink = MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([] if show_progress else [ConsoleSink()]))
-
     backend = make_backend(config, base)
     admitted: dict[str, int] = {}  # group id -> the trainer's version at admission, while in flight
 
@@ -146,7 +145,10 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
     fill_s, fill_idle_s = None, 0.0  # start to this run's first step (the pipeline filling), and its idle part
     columns = (TextColumn("train"), BarColumn(), TextColumn("v{task.completed}/{task.total} {task.fields[info]}"),
                TimeElapsedColumn())
-    try:
+    with contextlib.ExitStack() as closing:  # the sink, then the backend, whatever ends the run
+        closing.callback(backend.close)
+        sink = closing.enter_context(contextlib.closing(
+            MultiSink(JsonlSink(run_dir / "metrics.jsonl"), *([] if show_progress else [ConsoleSink()]))))
         backend.start(trainer.weights(), trainer.version)
         t_start = time.perf_counter()  # worker start-up is not training time
         progress_at = time.perf_counter()  # the last step or finished group: a wait's timeout runs from it
@@ -211,11 +213,6 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
                 history.append(metrics)
                 progress.update(bar, completed=trainer.version,
                                 info=f"reward {metrics['train/reward_mean']:.2f} idle {metrics['train/idle_fraction']:.0%}")
-    finally:
-        try:
-            backend.close()
-        finally:
-            sink.close()
     elapsed = time.perf_counter() - t_start
     rewards = [m["train/reward_mean"] for m in history]
     return {

@@ -28,6 +28,7 @@ Not here: RL (rl.py), mixed precision on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -274,7 +275,7 @@ def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], r
     last: dict[str, Any] = {}
     columns = (TextColumn("pretrain"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, disable=not (show_progress and lead)) as progress:
+    with contextlib.closing(sink), Progress(*columns, disable=not (show_progress and lead)) as progress:
         bar = progress.add_task("pretrain", total=config.steps, completed=start_step, info="")
         window_steps, window_tokens, window_loss, window_t0 = 0, 0, 0.0, time.perf_counter()
         for step in range(start_step, config.steps):
@@ -309,7 +310,6 @@ def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], r
             if lead and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
                 _save(run_dir, step + 1, model, tokenizer, optimizer, config)
             progress.update(bar, completed=step + 1)
-    sink.close()
     return last
 
 

@@ -38,7 +38,7 @@ import math
 import shutil
 import sys
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +176,7 @@ class RLTrainer:
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "consumed": {str(v): ids for v, ids in self.consumed.items()}}, staging / STATE_FILE)
         publish_directory(staging, final)  # durable before the log drops the consumed groups' files
-        for old in sorted(final.parent.glob("v-*"))[:-keep]:
+        for old in _checkpoints(self.run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
@@ -218,14 +218,15 @@ class RLTrainer:
                     f"so no ratio corrects the logprobs")
         if self._replays:
             if any(s.routing is None for s in trained):
-                return ("router replay is on but a segment has no recorded routing "
-                        "(rl.router_replay = false trains on the trainer's own routing)")
+                return (f"episode {episode.episode_id}: router replay is on but a segment has no recorded "
+                        "routing (rl.router_replay = false trains on the trainer's own routing)")
             E, k = self.model.config.num_experts, self.model.config.num_experts_per_tok
             shape = (self.model.num_moe_layers, k)
             if any(s.routing.ndim != 3 or s.routing.shape[1:] != shape for s in trained):
-                return f"a segment's recorded routing is not [tokens, {shape[0]} MoE layers, top-{k}] as this model's"
+                return (f"episode {episode.episode_id}: a segment's recorded routing is not "
+                        f"[tokens, {shape[0]} MoE layers, top-{k}] as this model's")
             if any(s.routing.size and (s.routing.min() < 0 or s.routing.max() >= E) for s in trained):
-                return f"a segment's recorded routing names an expert outside 0..{E - 1}"
+                return f"episode {episode.episode_id}: a segment's recorded routing names an expert outside 0..{E - 1}"
         return None
 
     def step(self, episodes: list[Episode]) -> dict[str, float]:
@@ -233,8 +234,10 @@ class RLTrainer:
         if not episodes:
             raise ValueError("a step needs at least one episode")
         ids = [e.episode_id for e in episodes]
-        if len(set(ids)) != len(ids) or self.consumed_ids() & set(ids):
-            raise ValueError("an episode was given twice (or was already consumed by an earlier step)")
+        repeated = sorted({i for i, n in Counter(ids).items() if n > 1} | (self.consumed_ids() & set(ids)))
+        if repeated:
+            raise ValueError(f"episodes given twice or already consumed by an earlier step: {', '.join(repeated[:5])}"
+                             + (f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""))
         cfg = self.config
         for e in episodes:
             if (why := self.refusal(e)) is not None:
@@ -265,7 +268,8 @@ class RLTrainer:
             "train/pass_rate": float(np.mean([bool(e.passed) for e in episodes])),
             "train/episodes": float(len(episodes)),
             "train/groups": float(len(groups)),
-            "train/groups_with_signal": float(sum(len({rewards[e.episode_id] for e in m}) > 1 for m in groups.values())),
+            "train/groups_with_signal": float(sum(len({rewards[e.episode_id] for e in m}) > 1
+                                                  for m in groups.values())),
             "train/generated_tokens": float(sum(e.num_generated for e in episodes)),
             "train/malformed_tool_calls": float(np.mean([e.malformed_tool_calls for e in episodes])),
             "train/staleness_mean": float(np.mean(stale)),
@@ -292,18 +296,15 @@ class RLTrainer:
         # The proximal policy is the weights at the step start. The first minibatch's forward runs at them, so its
         # own logprobs, detached, are the proximal ones exactly (a separate forward packs rows otherwise, and in
         # bf16 a ratio that should be 1 would not be); the other minibatches' and epochs' are computed up front.
-        later = [item for i, item in enumerate(items) if cfg.ppo_epochs > 1 or i % cfg.minibatches]
+        minibatches = [list(range(mb, len(items), cfg.minibatches)) for mb in range(min(cfg.minibatches, len(items)))]
+        later = [items[i] for mb in (minibatches if cfg.ppo_epochs > 1 else minibatches[1:]) for i in mb]
         prox = self._logprobs_no_grad(later) if later else None
-        order = list(range(len(items)))
         totals: dict[str, float] = defaultdict(float)
         mismatch = {"tokens": 0, "k3": 0.0, "max": 0.0}  # over tokens of the current version, first pass only
-        num_updates, micro_batches = 0, 0
+        num_updates, micro_batches, norms = 0, 0, []
         positions = {"computed": 0, "padded": 0}  # input positions through the model: run, and in padded rows
         for epoch in range(cfg.ppo_epochs):
-            for mb in range(cfg.minibatches):
-                chosen = order[mb :: cfg.minibatches]
-                if not chosen:
-                    continue
+            for mb, chosen in enumerate(minibatches):
                 num_tokens = sum(items[i][0].num_generated for i in chosen)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in pack_micro_batches([(items[i][0], items[i][1]) for i in chosen], self.micro_batch_tokens,
@@ -322,11 +323,13 @@ class RLTrainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
-                else:  # an overflow (bf16) or a NaN: this minibatch changes nothing
-                    totals["skipped_nonfinite_updates"] += 1.0
-                totals["grad_norm"] += float(grad_norm)
+                    norms.append(float(grad_norm))
                 num_updates += 1
         out = {f"train/{k}": v / num_updates for k, v in totals.items()}
+        if norms:  # of the updates taken: a skipped one's inf or NaN would hide the others'
+            out["train/grad_norm"], out["train/grad_norm_max"] = sum(norms) / len(norms), max(norms)
+        if len(norms) < num_updates:  # an overflow (bf16) or a NaN: those minibatches changed nothing
+            out["train/skipped_nonfinite_updates"] = float(num_updates - len(norms))
         out["train/lr"] = lr
         out["train/trained_sequences"] = float(len(items))
         out["train/micro_batches"] = float(micro_batches)
@@ -367,11 +370,13 @@ class RLTrainer:
             temperature.append(np.full(rows[-1], seg.temperature, dtype=np.float32))
         prefix, calls = forward_calls([seg for seg, _ in micro], routing is not None, self.shared_run_min_tokens,
                                       self.call_overhead_tokens)
-        arrays = (targets, behaviour, advantages, fresh, temperature)
+        arrays = {"targets": targets, "behaviour": behaviour, "advantages": advantages, "fresh": fresh,
+                  "temperature": temperature}
         dev = self.device
         trained_at = [torch.nonzero(where[rows, q:width].flatten())[:, 0].to(dev) for rows, q, width, _ in calls]
-        return MicroBatch(ids.to(dev), None if routing is None else routing.to(dev), prefix, calls, trained_at,
-                           *(torch.from_numpy(np.concatenate(x)).to(dev) for x in arrays), rows)
+        return MicroBatch(ids_BT=ids.to(dev), routing_BTLK=None if routing is None else routing.to(dev), prefix=prefix,
+                          calls=calls, trained_at=trained_at, rows=rows,
+                          **{k: torch.from_numpy(np.concatenate(x)).to(dev) for k, x in arrays.items()})
 
     def _logprobs(self, batch: MicroBatch, model: Qwen3ForCausalLM | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,5 +457,11 @@ class RLTrainer:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint under run_dir/checkpoints (incomplete ones never have the name)."""
-    ckpts = sorted((Path(run_dir) / "checkpoints").glob("v-*"))
+    ckpts = _checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    """run_dir/checkpoints/v-<version>, oldest first: by the number (v-10000000 after v-9999999)."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("v-*") if p.name[2:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[2:]))

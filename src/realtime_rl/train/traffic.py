@@ -68,13 +68,14 @@ def traffic_segment(record: CompletionRecord, choice_index: int = 0) -> Segment:
 
 
 def traffic_episode(record: CompletionRecord, choice_index: int, reward: float, group_id: str = "") -> Episode:
+    segment = traffic_segment(record, choice_index)  # checks the index first: a negative one would pick another
     choice = record.choices[choice_index]
     asked = any(call.function.name == "ask_user" for call in choice.tool_calls)
     metadata = request_metadata(record)
     return Episode(
         episode_id=f"{record.completion_id}/{choice_index}",
         task_id=str(metadata.get("task_id", "")),
-        segments=[traffic_segment(record, choice_index)],
+        segments=[segment],
         ended_by="ask_user" if asked else "answer",
         num_turns=1,
         num_tool_calls=len(choice.tool_calls),
