@@ -211,3 +211,13 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
             assert loop._follow_registry() == []  # once
         finally:
             loop.close()
+        # Rolled back by hand while the loop is down: the restarted loop forgot the canary and left a quarter
+        # of the users on it. It now sets the share to 0 before anything else.
+        with Registry.open(loop_dir) as registry:
+            registry.rollback(1, reason="operator: by hand")
+        loop = RealtimeLoop(config)
+        try:
+            assert loop._follow_registry() == ["canary v1 is rolled_back by hand: its traffic share is now 0"]
+            assert loop.state.canary is None and loop.gateway.traffic()["candidate_fraction"] == 0.0
+        finally:
+            loop.close()

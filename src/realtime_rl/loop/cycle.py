@@ -242,8 +242,10 @@ class RealtimeLoop:
             if self.state.canary != canaries[-1].version:
                 self.state.canary, self.state.canary_since, self.state.canary_cycles = canaries[-1].version, time.time(), 0
                 self.state.canary_deployed = False
-        else:
-            self.state.canary, self.state.canary_since, self.state.canary_cycles = None, None, 0
+        # A canary the registry no longer lists as canary (rolled back or promoted by hand while the loop was
+        # down, or promoted by a loop stopped before it set the traffic share to 0) stays in the state: the
+        # cycle's _follow_registry sets its traffic share to 0 first (forgetting it here left the gateway's
+        # split as it was, so its users kept being served by a version rolled back).
         for orphan in self.registry.list("candidate"):
             self.registry.transition(orphan.version, "rolled_back",
                                      reason="interrupted: the loop stopped before the gate decided")
