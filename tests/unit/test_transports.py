@@ -100,6 +100,24 @@ def test_a_version_pruned_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
     assert transport.versions() == {2: ["delta", "snapshot"]} and pruned == [1]
 
 
+def test_directories_a_killed_publish_or_remove_left_are_swept_when_old(tmp_path):
+    """A kill during a publish leaves .staging-*, one during a remove .trash-*: nothing removed them, so each
+    interrupted publish stranded a checkpoint-sized directory. An old one goes when a transport next opens the
+    root; a recent one may be a publish still writing (another host's) and stays, as do the versions."""
+    FilesystemTransport(tmp_path).publish(1, BLOBS)
+    for name in (".staging-old", ".trash-0000000003-1-2", ".staging-recent"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "delta.rtw").write_bytes(b"x" * 100)
+    hours_ago = time.time() - 2 * 3600
+    for name in (".staging-old", ".trash-0000000003-1-2"):
+        os.utime(tmp_path / name, (hours_ago, hours_ago))
+    transport = FilesystemTransport(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-recent", "0000000001"]
+    assert transport.versions() == {1: ["delta", "snapshot"]}
+    os.utime(tmp_path / ".staging-recent", (time.time() - 10, time.time() - 10))
+    assert transport.sweep(older_than_s=5) == [".staging-recent"] and transport.fetch(1, "delta") == BLOBS["delta"]
+
+
 def test_a_stalled_call_times_out_with_a_clear_error():
     with pytest.raises(TransportError, match="did not finish within 0.2 s"):
         with_timeout(lambda: time.sleep(5), 0.2, "reading a hung mount")

@@ -4,7 +4,9 @@
     root/0000000012/snapshot.rtw    (every N versions)
 
 `publish` writes into `root/.staging-*`, fsyncs, then renames the directory to its version name, so a
-reader sees a version whole or not at all; `remove` renames it away before deleting. Works on a
+reader sees a version whole or not at all; `remove` renames it away before deleting. A staging or trash
+directory a killed publish or remove left behind is swept when a transport next opens the root, once it is
+ABANDONED_AFTER_S old (a publish still writing, even a slow one on another host, is never that old). Works on a
 local disk or a shared filesystem (NFS, a mounted bucket); each call runs on a helper thread and
 gives up with TransportError after `timeout_s`, so a hung mount cannot hang the caller. The helper
 thread cannot be stopped: a publish given up on may still rename its version into place later.
@@ -12,8 +14,10 @@ thread cannot be stopped: a publish given up on may still rename its version int
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import time
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -27,6 +31,8 @@ from realtime_rl.model.checkpoint import fsync_path
 
 T = TypeVar("T")
 SUFFIX = ".rtw"
+ABANDONED_AFTER_S = 3600.0
+log = logging.getLogger(__name__)
 
 
 def with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -55,6 +61,24 @@ class FilesystemTransport(WeightTransport):
         self.root = Path(root)
         self.timeout_s = timeout_s
         self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            with_timeout(self.sweep, timeout_s, f"sweeping {self.root}")
+        except (TransportError, OSError) as exc:  # a failing share: the next open tries again
+            log.warning("could not sweep abandoned directories from %s: %s", self.root, exc)
+
+    def sweep(self, older_than_s: float = ABANDONED_AFTER_S) -> list[str]:
+        """Remove the `.staging-*` and `.trash-*` directories last changed more than older_than_s ago (a kill
+        during a publish or a remove leaves them); the names removed."""
+        cutoff, removed = time.time() - older_than_s, []
+        for entry in os.scandir(self.root):
+            if entry.name.startswith((".staging-", ".trash-")) and entry.is_dir(follow_symlinks=False):
+                try:
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                        removed.append(entry.name)
+                except FileNotFoundError:  # removed by another process since the scan
+                    continue
+        return removed
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"{version:010d}"
