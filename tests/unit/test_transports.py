@@ -110,11 +110,13 @@ def test_directories_a_killed_publish_or_remove_left_are_swept_when_old(tmp_path
         (tmp_path / name / "delta.rtw").write_bytes(b"x" * 100)
     hours_ago = time.time() - 2 * 3600
     for name in (".staging-old", ".trash-0000000003-1-2"):
-        os.utime(tmp_path / name, (hours_ago, hours_ago))
+        for path in (tmp_path / name / "delta.rtw", tmp_path / name):
+            os.utime(path, (hours_ago, hours_ago))
     transport = FilesystemTransport(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-recent", "0000000001"]
     assert transport.versions() == {1: ["delta", "snapshot"]}
-    os.utime(tmp_path / ".staging-recent", (time.time() - 10, time.time() - 10))
+    for path in (tmp_path / ".staging-recent" / "delta.rtw", tmp_path / ".staging-recent"):
+        os.utime(path, (time.time() - 10, time.time() - 10))
     assert transport.sweep(older_than_s=5) == [".staging-recent"] and transport.fetch(1, "delta") == BLOBS["delta"]
 
 

@@ -260,6 +260,13 @@ def publish_directory(staging: Path, final: Path) -> Path:
     return final
 
 
+def numbered_checkpoints(parent: Path, prefix: str) -> list[Path]:
+    """parent/<prefix><number> directories, oldest first by the number, not the name: a zero-padded name
+    outgrows its padding (v-10000000 sorts before v-9999999 as a string)."""
+    found = [p for p in Path(parent).glob(f"{prefix}*") if p.name[len(prefix):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(prefix):]))
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:

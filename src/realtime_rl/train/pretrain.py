@@ -45,7 +45,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from realtime_rl.config import PretrainConfig
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, load_checkpoint, save_checkpoint
-from realtime_rl.model.checkpoint import publish_directory
+from realtime_rl.model.checkpoint import numbered_checkpoints, publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
 from realtime_rl.train.corpus import (
@@ -205,7 +205,7 @@ def masked_next_token_loss(model: Qwen3ForCausalLM, ids_BT: torch.Tensor, mask_B
 def latest_checkpoint(run_dir: Path, built_by: str | None = None) -> Path | None:
     """The newest checkpoint under run_dir; with built_by, the newest that a config of that hash built (a run
     started over with resume=false leaves the checkpoints of the config before it beside its own)."""
-    ckpts = sorted((Path(run_dir) / "checkpoints").glob("step-*"))
+    ckpts = numbered_checkpoints(Path(run_dir) / "checkpoints", "step-")
     if built_by is not None:
         ckpts = [c for c in ckpts if _built_by(c) == built_by]
     return ckpts[-1] if ckpts else None

@@ -54,7 +54,7 @@ from realtime_rl.model import (
     save_checkpoint,
     torch_device,
 )
-from realtime_rl.model.checkpoint import publish_directory
+from realtime_rl.model.checkpoint import numbered_checkpoints, publish_directory
 from realtime_rl.model.shared_prefix import SharedPrefix
 from realtime_rl.train.losses import (
     LossConfig, group_advantages, k3, length_normalized, pass_at_k_advantages, policy_loss,
@@ -176,7 +176,7 @@ class RLTrainer:
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "consumed": {str(v): ids for v, ids in self.consumed.items()}}, staging / STATE_FILE)
         publish_directory(staging, final)  # durable before the log drops the consumed groups' files
-        for old in _checkpoints(self.run_dir)[:-keep]:
+        for old in numbered_checkpoints(final.parent, "v-")[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
@@ -457,11 +457,5 @@ class RLTrainer:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint under run_dir/checkpoints (incomplete ones never have the name)."""
-    ckpts = _checkpoints(run_dir)
+    ckpts = numbered_checkpoints(Path(run_dir) / "checkpoints", "v-")
     return ckpts[-1] if ckpts else None
-
-
-def _checkpoints(run_dir: Path) -> list[Path]:
-    """run_dir/checkpoints/v-<version>, oldest first: by the number (v-10000000 after v-9999999)."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("v-*") if p.name[2:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[2:]))

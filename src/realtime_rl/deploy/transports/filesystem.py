@@ -56,6 +56,28 @@ def with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return result["value"]  # type: ignore[return-value]
 
 
+def last_written(folder: Path) -> float:
+    """The newest modification time of a folder and the files in it (a blob being written keeps its file's time
+    moving); +inf when the folder is gone, so that a concurrent removal is not raced."""
+    try:
+        return max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
+    except FileNotFoundError:
+        return float("inf")
+
+
+def remove_abandoned(root: Path, prefixes: tuple[str, ...], older_than_s: float, keep: Path | None = None
+                     ) -> list[str]:
+    """Remove root's directories named with one of `prefixes` (but `keep`) in which nothing changed for
+    older_than_s: what a publisher that died mid-write left. The names removed."""
+    cutoff, removed = time.time() - older_than_s, []
+    for folder in root.iterdir():
+        if (folder.name.startswith(prefixes) and folder != keep and folder.is_dir()
+                and last_written(folder) < cutoff):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    return removed
+
+
 class FilesystemTransport(WeightTransport):
     def __init__(self, root: str | os.PathLike, timeout_s: float = 60.0) -> None:
         self.root = Path(root)
@@ -67,18 +89,9 @@ class FilesystemTransport(WeightTransport):
             log.warning("could not sweep abandoned directories from %s: %s", self.root, exc)
 
     def sweep(self, older_than_s: float = ABANDONED_AFTER_S) -> list[str]:
-        """Remove the `.staging-*` and `.trash-*` directories last changed more than older_than_s ago (a kill
-        during a publish or a remove leaves them); the names removed."""
-        cutoff, removed = time.time() - older_than_s, []
-        for entry in os.scandir(self.root):
-            if entry.name.startswith((".staging-", ".trash-")) and entry.is_dir(follow_symlinks=False):
-                try:
-                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                        removed.append(entry.name)
-                except FileNotFoundError:  # removed by another process since the scan
-                    continue
-        return removed
+        """Remove the `.staging-*` and `.trash-*` directories a kill during a publish or a remove left, once
+        nothing in them changed for older_than_s; the names removed."""
+        return remove_abandoned(self.root, (".staging-", ".trash-"), older_than_s)
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"{version:010d}"

@@ -43,7 +43,7 @@ from pydantic import BaseModel, Field
 from realtime_rl.deploy.transports.base import (
     AlreadyPublished, MissingBlob, TransportError, WeightTransport, check_blobs,
 )
-from realtime_rl.deploy.transports.filesystem import SUFFIX, FilesystemTransport
+from realtime_rl.deploy.transports.filesystem import SUFFIX, FilesystemTransport, remove_abandoned
 
 Kind = Literal["delta", "snapshot"]
 UPLOAD_ID = r"^[0-9a-f]{16,64}$"
@@ -87,10 +87,7 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None,
             shutil.rmtree(folder, ignore_errors=True)
 
     def drop_abandoned_uploads(keep: Path) -> None:
-        cutoff = time.time() - upload_ttl_s
-        for folder in store.root.glob(".upload-*"):
-            if folder != keep and last_written(folder) < cutoff:
-                shutil.rmtree(folder, ignore_errors=True)
+        remove_abandoned(store.root, (".upload-",), upload_ttl_s, keep)
 
     @router.get("/versions")
     def versions() -> VersionsPublic:
@@ -163,15 +160,6 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None,
         store.remove(version)
 
     return router
-
-
-def last_written(folder: Path) -> float:
-    """The newest modification time of a folder and the files in it (a blob being uploaded keeps its .part
-    file's time moving); +inf when the folder is gone, so that a concurrent removal is not raced."""
-    try:
-        return max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir()])
-    except FileNotFoundError:
-        return float("inf")
 
 
 def read_span(f: BinaryIO, start: int, end: int, chunk_size: int = 1 << 20) -> Iterator[bytes]:
