@@ -156,11 +156,10 @@ def _run(args: argparse.Namespace) -> int:
         from realtime_rl.loop import RealtimeLoop
         from realtime_rl.loop.report import write_report
 
-        loop = RealtimeLoop(config)
         try:
-            loop.run()
+            with RealtimeLoop(config) as loop:
+                loop.run()
         finally:
-            loop.close()
             print(f"report: {write_report(config.run_dir)}")
         return 0
     if args.command == "simulate-users":

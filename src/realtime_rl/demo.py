@@ -106,21 +106,21 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
     # 10-12: in a thread of this process, or in a process at equal priority, a cycle's training ran 3-12x
     # slower than alone). In production the gateway and the trainer run on their own machines.
     with serve_in_process(settings, serve_dir / "gateway.log", threads=1, niceness=10) as url:
-        loop = RealtimeLoop(config.loop.model_copy(update={
+        loop_config = config.loop.model_copy(update={
             "run_dir": loop_dir, "base_checkpoint": base_checkpoint, "gateway_url": url, "admin_key": admin_key.key,
-            "store": "sqlite", "store_dir": serve_dir, "seed": config.seed}), console)
+            "store": "sqlite", "store_dir": serve_dir, "seed": config.seed})
         users_config = config.users.model_copy(update={
             "base_url": url, "api_key": users_key.key, "tasks_dir": run_dir / "user-tasks", "seed": config.seed})
-        users = threading.Thread(target=run_simulated_users, args=(users_config, Console(quiet=True)),
-                                 kwargs={"stop": stop, "progress": False}, name="rtrl-users", daemon=True)
-        users.start()
-        try:
-            reports = loop.run()
-            progress = loop.progress()
-        finally:
-            stop.set()
-            users.join(120)
-            loop.close()
+        with RealtimeLoop(loop_config, console) as loop:
+            users = threading.Thread(target=run_simulated_users, args=(users_config, Console(quiet=True)),
+                                     kwargs={"stop": stop, "progress": False}, name="rtrl-users", daemon=True)
+            users.start()
+            try:
+                reports = loop.run()
+                progress = loop.progress()
+            finally:
+                stop.set()
+                users.join(120)
     report_path = write_report(loop_dir)
 
     table = Table(title="rtrl demo: the real-time loop, cycle by cycle (traffic of each window, by served version)")

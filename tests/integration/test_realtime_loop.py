@@ -13,6 +13,7 @@ and in report.html.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -25,7 +26,8 @@ import pytest
 
 from realtime_rl.config import ABConfig, ApiKey, GateConfig, LoopConfig, RewardRules, RLConfig, ServeConfig
 from realtime_rl.deploy import Registry
-from realtime_rl.loop import RealtimeLoop
+from realtime_rl.evaluate import analyze, decide
+from realtime_rl.loop import RealtimeLoop, cycle
 from realtime_rl.loop.report import write_report
 from realtime_rl.model import Qwen3ForCausalLM, save_checkpoint
 from realtime_rl.serve import serve_in_thread
@@ -182,7 +184,7 @@ def test_the_loop_trains_gates_canaries_promotes_and_rolls_back(tmp_path, tokeni
 
 
 @pytest.mark.slow
-def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_again(tmp_path, tokenizer):
+def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_again(tmp_path, tokenizer, monkeypatch):
     """The loop stopped after the registry made v1 the canary, before its weights reached the gateway and its
     share of users was raised: the restarted loop deploys it instead of judging it on no traffic."""
     base, loop_dir, serve_dir, settings = _base_and_gateway(tmp_path, tokenizer)
@@ -191,7 +193,8 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
     other = save_checkpoint(tmp_path / "other", model, tokenizer)
     with serve_in_thread(settings) as url:
         config = LoopConfig(run_dir=loop_dir, base_checkpoint=base, gateway_url=url, admin_key=KEYS[1].key,
-                            store_dir=serve_dir, gate_tasks=4, canary_tasks=0, ab=ABConfig(candidate_fraction=0.25))
+                            store_dir=serve_dir, gate_tasks=4, canary_tasks=0, ab=ABConfig(candidate_fraction=0.25),
+                            agent=LoopConfig().agent.model_copy(update={"max_new_tokens": 24}))
         RealtimeLoop(config).close()  # bootstraps v0 and publishes it to the champion arm
         with Registry.open(loop_dir) as registry:  # then a cycle's gate got as far as the registry
             registry.register(other, parent=0)
@@ -215,9 +218,41 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
         # of the users on it. It now sets the share to 0 before anything else.
         with Registry.open(loop_dir) as registry:
             registry.rollback(1, reason="operator: by hand")
-        loop = RealtimeLoop(config)
-        try:
+        with RealtimeLoop(config) as loop:
             assert loop._follow_registry() == ["canary v1 is rolled_back by hand: its traffic share is now 0"]
             assert loop.state.canary is None and loop.gateway.traffic()["candidate_fraction"] == 0.0
-        finally:
-            loop.close()
+
+            # An operator promotes the next canary by hand while the loop computes its A/B, which says roll
+            # back: the operator's decision stands. (The loop used to roll back the version that had become
+            # live, restoring v0, and a promote verdict raised.)
+            with Registry.open(loop_dir) as registry:
+                registry.register(other, parent=0)
+                registry.transition(2, "canary", reason="operator: by hand")
+            assert "canary v2 (made canary by hand" in loop._follow_registry()[0]  # deployed while the loop ran
+
+            def operator_promotes_meanwhile(records, ab_config):
+                with Registry.open(loop_dir) as registry:
+                    registry.promote(2, reason="operator: by hand")
+                return dataclasses.replace(analyze(records, ab_config), decision="rollback")
+
+            monkeypatch.setattr(cycle, "analyze", operator_promotes_meanwhile)
+            verdict = loop._judge_canary(time.time())
+            assert verdict["decision"] == "overruled" and "is live, no longer canary" in verdict["reason"]
+            assert loop.registry.live().version == 2 and loop.champion_serves == 2 and loop.state.canary is None
+            assert [t.to_state for t in loop.registry.history(2)] == ["candidate", "canary", "live"]
+            traffic = loop.gateway.traffic()
+            assert traffic["arms"]["champion"]["version"] == 2 and traffic["candidate_fraction"] == 0.0
+
+            # The same while the gate decides on a fresh candidate: the operator rolled it back meanwhile.
+            candidate = loop.registry.register(other, parent=2)
+
+            def operator_rolls_back_meanwhile(*args, **kwargs):
+                with Registry.open(loop_dir) as registry:
+                    registry.rollback(candidate.version, reason="operator: by hand")
+                return decide(*args, **kwargs)
+
+            monkeypatch.setattr(cycle, "decide", operator_rolls_back_meanwhile)
+            gate = loop._gate_and_deploy(candidate)
+            assert gate["decision"] == "overruled" and "is rolled_back, no longer candidate" in gate["reasons"][0]
+            assert [t.to_state for t in loop.registry.history(candidate.version)] == ["candidate", "rolled_back"]
+            assert loop.state.canary is None and loop.gateway.traffic()["candidate_fraction"] == 0.0

@@ -90,3 +90,41 @@ def test_a_rolled_back_candidates_data_trains_its_sibling_and_a_promoted_ones_ne
             assert loop.state.trained_through == {v2: 17}
         finally:
             loop.close()
+
+
+def test_below_min_trajectories_the_cursor_passes_what_can_never_train(tmp_path, tokenizer):
+    """A cycle short of min_trajectories trains nothing, and its on-policy rewards wait for the next; the
+    rewards before the first of them can never train the live version's candidates (here: replies in flight
+    across a rollback, holding a token of a version outside the lineage), so the cursor passes them and no
+    later cycle reads them again."""
+    model = Qwen3ForCausalLM(tiny_config(vocab_size=tokenizer.vocab_size))
+    model.reset_parameters(seed=0)
+    base = save_checkpoint(tmp_path / "base", model, tokenizer)
+    config = LoopConfig(run_dir=tmp_path / "loop", base_checkpoint=base, store_dir=tmp_path / "serve",
+                        rewards=RULES, rl=RLConfig(lr=1e-3), train_steps=1, min_trajectories=3, max_staleness=0,
+                        gate_tasks=4, canary_tasks=0)
+    t0 = time.time()
+    with open_event_store(tmp_path / "serve", "sqlite") as store:
+        with RealtimeLoop(config, store=store) as loop:
+            for i in range(4):  # recorded under v0, with a token a rolled-back v9 sampled
+                completion = record(f"mixed-{i}", "edit", t0 - RULES.persist_window_s, model_version=0)
+                completion.choices[0].versions[-1] = 9
+                store.add_completion(completion)
+                store.add_events([
+                    FeedbackEvent(event_id=f"mixed-{i}-a", type="edit_accepted", completion_id=f"mixed-{i}"),
+                    FeedbackEvent(event_id=f"mixed-{i}-p", type="edit_persisted", completion_id=f"mixed-{i}",
+                                  window_s=1.0)])
+            candidate, first = settle_and_train(loop, t0 + 50)
+            assert candidate is None and (first["settled"], first["on_policy"], first["cursor"]) == (4, 0, 4)
+            assert loop.state.trained_through[0] == 4
+
+            serve(store, "w1", 2, version=0, at=t0 + 1)  # on-policy, too few: they wait (the cursor stays)
+            candidate, second = settle_and_train(loop, t0 + 100)
+            assert candidate is None and (second["after_seq"], second["on_policy"]) == (4, 2)
+            assert "cursor" not in second and loop.state.trained_through[0] == 4
+
+            serve(store, "w2", 1, version=0, at=t0 + 2)
+            candidate, third = settle_and_train(loop, t0 + 150)
+            assert candidate is not None and (third["after_seq"], third["settled"], third["on_policy"]) == (4, 3, 3)
+        # the cursor is in state.json: a restarted loop does not read the passed rewards again either
+        assert json.loads((tmp_path / "loop" / "state.json").read_text())["trained_through"]["0"] == 4

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from realtime_rl.deploy.registry import DataWindow, Registry
+from realtime_rl.deploy.registry import DataWindow, Registry, StateChanged
 from realtime_rl.cli import build_parser
 from realtime_rl.deploy.registry_cli import run_registry
 
@@ -290,3 +290,22 @@ def test_history_evidence_round_trips_as_json(registry, tmp_path):
     v = registry.register(checkpoint(tmp_path, "c"), parent=1).version
     registry.transition(v, "canary", reason="gate passed", evidence=evidence)
     assert registry.history(v)[-1].evidence == evidence
+
+
+def test_a_change_expecting_a_state_the_version_left_changes_nothing(registry, tmp_path):
+    """A decision taken on a state read earlier (the loop's A/B on its canary) must not act on a version an
+    operator moved meanwhile: rolling back what they just promoted would restore the old version."""
+    base = registry.bootstrap(checkpoint(tmp_path, "base")).version
+    v = canary(registry, tmp_path, parent=base)
+    registry.promote(v, reason="operator: by hand")  # while the loop computed its verdict
+    before = registry.history(v)
+    with pytest.raises(StateChanged, match=rf"version {v} is live, no longer canary") as caught:
+        registry.rollback(v, reason="A/B: worse", expect="canary")
+    assert (caught.value.expected, caught.value.found) == ("canary", "live")
+    with pytest.raises(StateChanged):
+        registry.promote(v, reason="A/B: better", expect="canary")
+    assert registry.live().version == v and registry.history(v) == before
+    with pytest.raises(ValueError, match="unknown state 'canry'"):
+        registry.rollback(v, reason="A/B", expect="canry")
+    assert registry.rollback(v, reason="A/B", expect="live").state == "rolled_back"  # as expected: it happens
+    assert registry.live().version == base

@@ -13,7 +13,8 @@ Public API (other stages import only these names, from `realtime_rl.deploy`):
     DeltaError (OutOfOrder), TransportError (MissingBlob, AlreadyPublished), WeightSyncError
 
     Registry.open(run_dir): versions with lineage and states (candidate, canary, live, retired,
-        rolled_back); register / transition / promote / rollback are atomic; DataWindow, PolicyVersion
+        rolled_back); register / transition / promote / rollback are atomic (expect=: StateChanged when
+        someone moved the version first); DataWindow, PolicyVersion
     assign_arm(user, salt, candidate_fraction) -> "champion" | "candidate"   # the canary's stable split
 
 The format, the codec and the measured figures: docs/weight_sync.md.
@@ -26,7 +27,7 @@ from realtime_rl.deploy.delta import (
     DeltaError, OutOfOrder, WeightState, decode, encode_delta, encode_snapshot, read_header, state_digest,
     tensor_digest,
 )
-from realtime_rl.deploy.registry import STATES, DataWindow, PolicyVersion, Registry, Transition
+from realtime_rl.deploy.registry import STATES, DataWindow, PolicyVersion, Registry, StateChanged, Transition
 from realtime_rl.deploy.sync import PublishStats, WeightPublisher, WeightSubscriber, WeightSyncError
 from realtime_rl.deploy.transports import (
     AlreadyPublished, FilesystemTransport, HttpTransport, MissingBlob, TransportError, WeightTransport,
@@ -34,11 +35,11 @@ from realtime_rl.deploy.transports import (
 )
 
 __all__ = [
-    "ARMS", "AlreadyPublished", "Arm", "STATES", "DataWindow", "DeltaError", "FilesystemTransport",
-    "HttpTransport", "MissingBlob", "OutOfOrder", "PolicyVersion", "PublishStats", "RayTransport", "Registry",
+    "ARMS", "AlreadyPublished", "Arm", "STATES", "DataWindow", "DeltaError", "FilesystemTransport", "HttpTransport",
+    "MissingBlob", "OutOfOrder", "PolicyVersion", "PublishStats", "RayTransport", "Registry", "StateChanged",
     "Transition", "TransportError", "WeightPublisher", "WeightState", "WeightSubscriber", "WeightSyncError",
-    "WeightTransport", "assign_arm", "create_weights_app", "decode", "encode_delta", "encode_snapshot",
-    "read_header", "state_digest", "tensor_digest", "user_point", "weights_router",
+    "WeightTransport", "assign_arm", "create_weights_app", "decode", "encode_delta", "encode_snapshot", "read_header",
+    "state_digest", "tensor_digest", "user_point", "weights_router",
 ]
 
 

@@ -7,6 +7,7 @@
     registry.transition(v.version, "canary", reason="gate passed", evidence=decision.to_dict())
     registry.promote(v.version, reason="A/B win", evidence=report.to_dict())   # canary -> live; old live retired
     registry.rollback(v.version, reason="latency regressed", evidence=...)     # live -> rolled_back, restore
+    registry.rollback(v.version, reason="A/B", expect="canary")  # StateChanged if someone moved it first
     registry.live(); registry.get(v); registry.list(); registry.history(v); registry.lineage(v)
 
 A version has an integer number, a checkpoint directory (Hugging Face layout), its parent version, the
@@ -26,6 +27,9 @@ transitions table (from, to, at, reason, evidence JSON); registration is the cha
 Atomicity: each change is one `BEGIN IMMEDIATE` transaction, which takes SQLite's write lock before
 reading, so two processes promoting at once are serialized and the second sees the first's result; a
 partial unique index on state = 'live' makes two live versions impossible even for a buggy writer.
+A decision taken on a state read earlier passes `expect=`: the change happens only if the version is still
+in that state inside the transaction, and otherwise raises StateChanged (an operator's `rtrl registry`
+acted first: rolling back what they just promoted would undo their decision, not the loop's).
 The file is in WAL mode with synchronous=FULL: a change is on disk when the call returns.
 
 Not here: the `rtrl registry` command (registry_cli.py), moving weights (deploy.sync), choosing the arm
@@ -135,6 +139,15 @@ class Transition:
     at: float
     reason: str
     evidence: dict[str, Any] = field(default_factory=dict)
+
+
+class StateChanged(ValueError):
+    """A change asked with `expect=` found the version in another state: someone else moved it first."""
+
+    def __init__(self, version: int, expected: str, found: str) -> None:
+        super().__init__(f"version {version} is {found}, no longer {expected}: it was moved by someone else "
+                         "(rtrl registry?) after the decision was taken; nothing was changed")
+        self.version, self.expected, self.found = version, expected, found
 
 
 def _json(value: dict[str, Any], what: str) -> str:
@@ -274,14 +287,17 @@ class Registry:
 
     # -- state changes --------------------------------------------------------------------------------
 
-    def transition(self, version: int, to: str, *, reason: str, evidence: dict[str, Any] | None = None
-                   ) -> PolicyVersion:
+    def transition(self, version: int, to: str, *, reason: str, evidence: dict[str, Any] | None = None,
+                   expect: str | None = None) -> PolicyVersion:
         """Move `version` to state `to` (see the module docstring), recording reason and evidence.
 
         to="live" promotes a canary (the live version becomes retired in the same transaction);
         to="rolled_back" on the live version restores the most recently retired one. Any other move
-        raises ValueError naming the moves allowed from the version's state.
+        raises ValueError naming the moves allowed from the version's state. With `expect`, a version no
+        longer in that state raises StateChanged and nothing changes.
         """
+        if expect is not None and expect not in STATES:
+            raise ValueError(f"unknown state {expect!r}; states are {', '.join(STATES)}")
         if to not in STATES:
             raise ValueError(f"unknown state {to!r}; states are {', '.join(STATES)}")
         if not reason.strip():
@@ -290,6 +306,8 @@ class Registry:
         now = time.time()
         with self._write() as conn:
             current = self._version(self._row(conn, version)).state
+            if expect is not None and current != expect:
+                raise StateChanged(version, expect, current)
             if to not in ALLOWED[current]:
                 moves = ", ".join(f"{m} ({MOVE_NOTES[m]})" if m in MOVE_NOTES else m for m in ALLOWED[current])
                 allowed = f"the allowed moves are: {moves}" if moves else "there is no move (a final state)"
@@ -318,13 +336,15 @@ class Registry:
                 self._set_state(conn, version, current, to, now, reason, json.loads(evidence_json) | extra)
             return self._version(self._row(conn, version))
 
-    def promote(self, version: int, *, reason: str, evidence: dict[str, Any] | None = None) -> PolicyVersion:
+    def promote(self, version: int, *, reason: str, evidence: dict[str, Any] | None = None,
+                expect: str | None = None) -> PolicyVersion:
         """canary -> live; the live version -> retired, in one transaction."""
-        return self.transition(version, "live", reason=reason, evidence=evidence)
+        return self.transition(version, "live", reason=reason, evidence=evidence, expect=expect)
 
-    def rollback(self, version: int, *, reason: str, evidence: dict[str, Any] | None = None) -> PolicyVersion:
+    def rollback(self, version: int, *, reason: str, evidence: dict[str, Any] | None = None,
+                 expect: str | None = None) -> PolicyVersion:
         """candidate|canary -> rolled_back; live -> rolled_back and the most recently retired version -> live."""
-        return self.transition(version, "rolled_back", reason=reason, evidence=evidence)
+        return self.transition(version, "rolled_back", reason=reason, evidence=evidence, expect=expect)
 
     def _set_state(self, conn: sqlite3.Connection, version: int, old: str, new: str, at: float, reason: str,
                    evidence: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ registry and the ledger. Not here: serving (the gateway), users (simulated or re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -49,7 +50,9 @@ from rich.console import Console
 
 from realtime_rl.collect import EventStore, open_event_store
 from realtime_rl.config import LoopConfig, PretrainConfig
-from realtime_rl.deploy import DataWindow, FilesystemTransport, PolicyVersion, Registry, WeightPublisher
+from realtime_rl.deploy import (
+    DataWindow, FilesystemTransport, PolicyVersion, Registry, StateChanged, WeightPublisher,
+)
 from realtime_rl.environments import generate_tasks, load_tasks
 from realtime_rl.evaluate import EpisodeOutcome, ab_records, analyze, decide, evaluate_checkpoint
 from realtime_rl.loop.gateway import GatewayClient
@@ -83,6 +86,9 @@ def dodged(outcome: EpisodeOutcome) -> bool:
 
 
 class RealtimeLoop:
+    """One loop over one run directory; close it (or use it as a context manager) to release what it opened:
+    the registry, the ledger, the metrics sink, and the event store and gateway client unless they were given."""
+
     def __init__(self, config: LoopConfig, console: Console | None = None, gateway: GatewayClient | None = None,
                  store: EventStore | None = None) -> None:
         self.config = config
@@ -91,28 +97,37 @@ class RealtimeLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.registry = Registry.open(self.run_dir)
-        self.ledger = RewardLedger(self.run_dir / "rewards.sqlite")
-        self._own_store = store is None
-        self.store = store or open_event_store(config.store_dir, config.store)
-        self._own_gateway = gateway is None
-        self.gateway = gateway or GatewayClient(config.gateway_url, config.admin_key, config.http_timeout_s)
-        live = self.registry.live()
-        self.state = LoopState.load(self.run_dir / "state.json", None if live is None else live.version)
-        self.champion_weights = WeightPublisher(FilesystemTransport(self.run_dir / "weights" / "champion"), dtype=None)
-        self.candidate_weights = WeightPublisher(FilesystemTransport(self.run_dir / "weights" / "candidate"),
-                                                 dtype=None)
-        self.champion_weights.resume()
-        self.candidate_weights.resume()
-        self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
-        if self.registry.live() is None:
-            base = config.base_checkpoint or ensure_base_model(PretrainConfig())
-            live = self.registry.bootstrap(base, version=0)
-            self._publish_champion(live)
-        self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1),
-                                      config.gate_split, config.gate_start)
-        self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4], "heldout", config.gate_start)
-        self._reconcile()
+        with contextlib.ExitStack() as opened:  # a step that raises closes what the steps before it opened
+            self.registry = opened.enter_context(Registry.open(self.run_dir))
+            self.ledger = opened.enter_context(RewardLedger(self.run_dir / "rewards.sqlite"))
+            self.store = store or opened.enter_context(open_event_store(config.store_dir, config.store))
+            self.gateway = gateway or GatewayClient(config.gateway_url, config.admin_key, config.http_timeout_s)
+            if gateway is None:
+                opened.callback(self.gateway.close)
+            live = self.registry.live()
+            self.state = LoopState.load(self.run_dir / "state.json", None if live is None else live.version)
+            self.champion_weights = WeightPublisher(FilesystemTransport(self.champion_store(self.run_dir)), dtype=None)
+            self.candidate_weights = WeightPublisher(FilesystemTransport(self.candidate_store(self.run_dir)),
+                                                     dtype=None)
+            self.champion_weights.resume()
+            self.candidate_weights.resume()
+            self.sink = JsonlSink(self.run_dir / "metrics.jsonl")
+            opened.callback(self.sink.close)
+            if self.registry.live() is None:
+                base = config.base_checkpoint or ensure_base_model(PretrainConfig())
+                live = self.registry.bootstrap(base, version=0)
+                self._publish_champion(live)
+            self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1),
+                                          config.gate_split, config.gate_start)
+            self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4], "heldout", config.gate_start)
+            self._reconcile()
+            self._opened = opened.pop_all()
+
+    def __enter__(self) -> RealtimeLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @staticmethod
     def champion_store(run_dir: Path) -> Path:
@@ -238,10 +253,8 @@ class RealtimeLoop:
         rolled back (its traffic share was never raised). A canary the state did not know of yet was stopped
         somewhere between the registry and its traffic share: it is deployed again (_follow_registry)."""
         canaries = self.registry.list("canary")
-        if canaries:
-            if self.state.canary != canaries[-1].version:
-                self.state.canary, self.state.canary_since, self.state.canary_cycles = canaries[-1].version, time.time(), 0
-                self.state.canary_deployed = False
+        if canaries and self.state.canary != canaries[-1].version:
+            self.state.start_canary(canaries[-1].version, deployed=False)
         # A canary the registry no longer lists as canary (rolled back or promoted by hand while the loop was
         # down, or promoted by a loop stopped before it set the traffic share to 0) stays in the state: the
         # cycle's _follow_registry sets its traffic share to 0 first (forgetting it here left the gateway's
@@ -267,19 +280,25 @@ class RealtimeLoop:
 
     def _follow_registry(self) -> list[str]:
         """`rtrl registry promote|rollback` may act while the loop waits: follow the registry before deciding.
-        A canary an operator promoted or rolled back leaves the candidate arm (and a promoted one reaches the
-        champion arm). A live version other than the one the champion arm serves (set or rolled back by hand, or
+        A canary an operator promoted or rolled back leaves the candidate arm (a promoted one reaches the
+        champion arm first, so its users move over once it serves them there). A candidate an operator made
+        canary is deployed, once no other canary runs. A live version other than the one the champion arm serves (set or rolled back by hand, or
         promoted by a loop stopped before it published) is published to it: a rollback as the next store
         version, labelled with the older policy version."""
         state, actions = self.state, []
         if state.canary is not None and (now := self.registry.get(state.canary).state) != "canary":
+            if now == "live" and self.champion_serves != state.canary:  # its users move once the champion serves it
+                self._publish_champion(self.registry.get(state.canary))
+                self._await_arm("champion", state.canary)
             self.gateway.set_candidate_fraction(0.0)
             actions.append(f"canary v{state.canary} is {now} by hand: its traffic share is now 0")
-            state.canary, state.canary_since, state.canary_cycles = None, None, 0
+            state.end_canary()
+        if state.canary is None and (canaries := self.registry.list("canary")):
+            state.start_canary(canaries[-1].version, deployed=False)  # made canary by hand while the loop ran
         if state.canary is not None and not state.canary_deployed:
             self._deploy_canary(state.canary)
-            actions.append(f"canary v{state.canary} (adopted after a stop before it got its traffic share) deployed;"
-                           " judged from the next window")
+            actions.append(f"canary v{state.canary} (made canary by hand, or adopted after a stop before it got its "
+                           "traffic share) deployed; judged from the next window")
         live, served = self.registry.live(), self.champion_serves
         if live.version != served:
             self._publish_champion(live)
@@ -319,20 +338,24 @@ class RealtimeLoop:
         else:
             reason = "; ".join(ab.reasons)
         self.console.print(ab.table())
-        if verdict == "promote":
-            new = self.registry.get(version)
-            # The registry first: a loop stopped before the publish publishes the live version on restart
-            # (_follow_registry), whereas weights published first would be re-published back by it.
-            self.registry.promote(version, reason=f"A/B: {reason}", evidence=evidence)
-            if self.champion_serves != version:
-                self._publish_champion(new)  # a lossless delta to the champion arm
-            self._await_arm("champion", version)  # the canary's users move over only once it serves them there
-            self.gateway.set_candidate_fraction(0.0)
-        elif verdict == "rollback":
-            self.gateway.set_candidate_fraction(0.0)
-            self.registry.rollback(version, reason=f"A/B: {reason}", evidence=evidence)
-        if verdict != "continue":
-            state.canary, state.canary_since, state.canary_cycles = None, None, 0
+        # The registry first, and only if the version is still the canary: a loop stopped before the weights
+        # and the traffic share follow does that on restart (_follow_registry), and an operator who promoted or
+        # rolled it back while the A/B was computed has the last word (their decision is followed instead).
+        try:
+            if verdict == "promote":
+                new = self.registry.promote(version, reason=f"A/B: {reason}", evidence=evidence, expect="canary")
+                if self.champion_serves != version:
+                    self._publish_champion(new)  # a lossless delta to the champion arm
+                self._await_arm("champion", version)  # the canary's users move over only once it serves them there
+                self.gateway.set_candidate_fraction(0.0)
+            elif verdict == "rollback":
+                self.registry.rollback(version, reason=f"A/B: {reason}", evidence=evidence, expect="canary")
+                self.gateway.set_candidate_fraction(0.0)
+        except StateChanged as e:
+            verdict, reason = "overruled", f"A/B said {verdict} ({reason}), but {e}"
+            self._follow_registry()
+        if verdict in ("promote", "rollback"):
+            state.end_canary()
         self._save()
         self.console.print(f"canary v{version}: [bold]{verdict}[/bold] ({reason})")
         return {"version": version, "decision": verdict, "reason": reason, **evidence}
@@ -354,6 +377,13 @@ class RealtimeLoop:
         if len(on_policy) < cfg.min_trajectories:
             skipped = f"{len(on_policy)} on-policy trajectories < min_trajectories {cfg.min_trajectories}"
             report["train"]["skipped"] = skipped
+            # The cursor passes what can never train the live version's candidates (rewards before its first
+            # on-policy one): the next cycle re-reads only the on-policy rewards that wait, and what came since.
+            first = on_policy[0].settle_seq if on_policy else None
+            through = max((s.settle_seq for s in settled if first is None or s.settle_seq < first), default=after)
+            if through > after:
+                state.trained_through[live.version] = report["train"]["cursor"] = through
+                self._save()
             self.console.print(f"no candidate this cycle: {skipped} (they wait for the next)")
             return None
         rewarded = [(records[s.completion_id], s.choice_index, s.reward) for s in on_policy]
@@ -431,18 +461,21 @@ class RealtimeLoop:
             "gate/pass_at_1": sum(o.passed for o in cand_gate) / max(1, len(cand_gate)),
             "gate/champion_pass_at_1": sum(o.passed for o in champ_gate) / max(1, len(champ_gate)),
             "gate/canary_dodged": sum(map(dodged, cand_canary))})
-        if decision.promote:
-            self.registry.transition(candidate.version, "canary", reason="gate: " + "; ".join(decision.reasons),
-                                     evidence=evidence)
-            self._deploy_canary(candidate.version)
-            self._save()
+        verdict, reasons = "canary" if decision.promote else "rejected", list(decision.reasons)
+        try:
+            self.registry.transition(candidate.version, "canary" if decision.promote else "rolled_back",
+                                     reason="gate: " + "; ".join(reasons), evidence=evidence, expect="candidate")
+        except StateChanged as e:  # an operator moved it while it was evaluated: theirs is the last word
+            verdict, reasons = "overruled", [f"the gate said {verdict}, but {e}", *reasons]
+            self._follow_registry()
         else:
-            self.registry.transition(candidate.version, "rolled_back", reason="gate: " + "; ".join(decision.reasons),
-                                     evidence=evidence)
-        verdict = "canary" if decision.promote else "rejected"
+            if decision.promote:
+                self._deploy_canary(candidate.version)
+                self._save()
         self.console.print(f"gate v{candidate.version} vs v{champion.version}: [bold]{verdict}[/bold] "
-                           f"({'; '.join(decision.reasons)})")
-        return {"version": candidate.version, "champion": champion.version, "decision": verdict, **evidence}
+                           f"({'; '.join(reasons)})")
+        return {"version": candidate.version, "champion": champion.version, "decision": verdict, **evidence,
+                "reasons": reasons}
 
     def _deploy_canary(self, version: int) -> None:
         """Publish the canary's weights to the candidate arm (unless they are its store's last), wait until the
@@ -453,8 +486,7 @@ class RealtimeLoop:
         self._await_arm("candidate", version)
         # A fresh salt per canary: each one gets its own random half of the users, not the last one's.
         self.gateway.set_candidate_fraction(self.config.ab.candidate_fraction, salt=f"canary-v{version}")
-        self.state.canary, self.state.canary_since, self.state.canary_cycles = version, time.time(), 0
-        self.state.canary_deployed = True
+        self.state.start_canary(version, deployed=True)
 
     def _await_arm(self, arm: str, version: int, timeout_s: float | None = None) -> None:
         """Wait until the gateway's `arm` serves `version` (published to its store) before users are sent to it."""
@@ -469,10 +501,4 @@ class RealtimeLoop:
                            f"following {store}?")
 
     def close(self) -> None:
-        self.sink.close()
-        self.ledger.close()
-        self.registry.close()
-        if self._own_store:
-            self.store.close()
-        if self._own_gateway:
-            self.gateway.close()
+        self._opened.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,14 @@ class LoopState:
     """Per trained version, the ledger's settle_seq through which settled rewards were considered when it was
     trained. A candidate of live version L trains on what came after trained_through[L] (0 for the base): never
     on what L's lineage already trained on, but again on what only a rolled-back sibling saw."""
+
+    def start_canary(self, version: int, *, deployed: bool) -> None:
+        """`version` is the canary from now on (deployed: its weights and traffic share reached the gateway)."""
+        self.canary, self.canary_since, self.canary_cycles, self.canary_deployed = version, time.time(), 0, deployed
+
+    def end_canary(self) -> None:
+        """No canary any more (promoted or rolled back, by the loop or by hand)."""
+        self.canary, self.canary_since, self.canary_cycles, self.canary_deployed = None, None, 0, True
 
     @classmethod
     def load(cls, path: Path, live: int | None = None) -> LoopState:
