@@ -282,9 +282,9 @@ class RealtimeLoop:
         """`rtrl registry promote|rollback` may act while the loop waits: follow the registry before deciding.
         A canary an operator promoted or rolled back leaves the candidate arm (a promoted one reaches the
         champion arm first, so its users move over once it serves them there). A candidate an operator made
-        canary is deployed, once no other canary runs. A live version other than the one the champion arm serves (set or rolled back by hand, or
-        promoted by a loop stopped before it published) is published to it: a rollback as the next store
-        version, labelled with the older policy version."""
+        canary is deployed, once no other canary runs. A live version other than the one the champion arm
+        serves (set or rolled back by hand, or promoted by a loop stopped before it published) is published to
+        it: a rollback as the next store version, labelled with the older policy version."""
         state, actions = self.state, []
         if state.canary is not None and (now := self.registry.get(state.canary).state) != "canary":
             if now == "live" and self.champion_serves != state.canary:  # its users move once the champion serves it
