@@ -4,9 +4,11 @@ sampling controls that do what they say, hot swaps that freeze rather than drop,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,6 +245,10 @@ def test_a_bad_weight_update_is_rejected_and_the_old_weights_keep_serving(moe):
     ([600], SamplingParams(), "token ids must be in"),
     (list(range(64)), SamplingParams(), "context holds"),
     ([1, 2], SamplingParams(n=9), "exceeds the engine's batch"),
+    ([1.9, 2], SamplingParams(), "position 0 holds 1.9"),  # was read as token 1
+    ([3, True], SamplingParams(), "position 1 holds True"),
+    ("123", SamplingParams(), "not text"),  # was read as tokens 1, 2, 3
+    ([1, 2], SamplingParams(stop_token_ids=[600]), "stop_token_ids must be in 0..511"),
 ])
 def test_bad_requests_are_refused(moe, prompt, params, message):
     with pytest.raises(ValueError, match=message):
@@ -254,10 +260,35 @@ def test_bad_requests_are_refused(moe, prompt, params, message):
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"), (dict(top_logprobs=21), "top_logprobs"),
     (dict(stop=[""]), "stop strings"), (dict(stop="abc"), "list of strings"), (dict(seed=2**64), "seed must"),
     (dict(seed=-(2**63) - 1), "seed must"),
+    # wrong types: before, these passed here and failed on the engine's thread, ending it for every caller
+    (dict(n=2.0), "n must be an integer"), (dict(seed=1.5), "seed must be an integer or None"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of integers"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(top_k=2.5), "top_k must be an integer"), (dict(temperature=float("nan")), "temperature must be a finite"),
+    (dict(ignore_eos="yes"), "ignore_eos must be a bool"),
 ])
 def test_sampling_params_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_numpy_and_tensor_integers_are_token_ids_and_seeds(moe):
+    engine = Engine(moe, max_batch=2)
+    params = SamplingParams(temperature=1.0, max_tokens=3, seed=np.int64(7), top_k=np.int32(5))
+    outs = engine.generate([np.array([5, 6, 7]), torch.tensor([5, 6, 7])], params)
+    assert outs[0].prompt_ids == outs[1].prompt_ids == [5, 6, 7]
+    assert outs[0].samples[0].token_ids == outs[1].samples[0].token_ids  # same seed, same prompt
+
+
+def test_an_aborted_request_is_told_at_once_even_behind_one_that_waits_for_slots(moe):
+    engine = Engine(moe, max_batch=2)
+    busy = engine.add_request(prompts(3)[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.step()  # it holds one slot of two
+    engine.add_request(prompts(4)[0], SamplingParams(temperature=0.0, max_tokens=3, n=2))  # waits for both
+    queued = engine.add_request(prompts(5)[0], GREEDY)  # behind it
+    engine.abort(queued)
+    told = engine.step()
+    assert [(o.request_id, o.samples[0].finish_reason if o.samples else None) for o in told] == [(queued, None)]
+    assert queued not in engine._requests and busy in engine._requests
 
 
 def test_async_engine_serves_concurrent_callers_and_streams(moe):
@@ -452,19 +483,48 @@ def test_stopping_the_engine_ends_its_callers_at_once_and_a_restart_serves_again
         except BaseException as e:  # noqa: BLE001 (checked below)
             errors.append(e)
 
-    caller = threading.Thread(target=wait_long)
-    caller.start()
+    callers = [threading.Thread(target=wait_long) for _ in range(2)]  # both slots in use when it stops
+    for caller in callers:
+        caller.start()
     assert started.wait(60)
+    deadline = time.monotonic() + 60
+    while engine.slots.free and time.monotonic() < deadline:
+        time.sleep(0.01)
     aengine.stop()
-    caller.join(60)  # told now, not at its 600 s timeout
-    assert not caller.is_alive() and isinstance(errors[0], EngineStopped), errors
+    for caller in callers:
+        caller.join(60)  # told now, not at its 600 s timeout
+    assert not any(c.is_alive() for c in callers) and all(isinstance(e, EngineStopped) for e in errors), errors
+    assert len(errors) == 2 and sorted(engine.slots.free) == [0, 1]  # the aborted requests' slots came back
     with pytest.raises(EngineStopped):
         aengine.generate_sync(prompts(3)[0], GREEDY, 60)
-    aengine.start()  # a restarted engine serves new requests
+    aengine.start()  # a restarted engine serves new requests, on every slot (they leaked: it hung)
     try:
-        assert aengine.generate_sync(prompts(3)[0], GREEDY, 60).samples[0].finish_reason in ("stop", "length")
+        both = SamplingParams(temperature=0.0, max_tokens=4, n=2, ignore_eos=True)
+        assert [s.finish_reason for s in aengine.generate_sync(prompts(3)[0], both, 20).samples] == ["length"] * 2
     finally:
         aengine.stop()
+
+
+def test_an_output_finished_just_before_a_stop_is_returned_not_turned_into_an_error(moe):
+    engine = Engine(moe, max_batch=2)
+    with AsyncEngine(engine) as aengine:
+        tell = engine._output
+
+        def stopped_meanwhile(req, reason):  # the stop lands between the last step and the caller's read
+            aengine.error = EngineStopped("the engine was stopped")
+            return tell(req, reason)
+
+        engine._output = stopped_meanwhile
+        out = aengine.generate_sync(prompts(3)[0], GREEDY, 60)
+        assert out.samples[0].finish_reason == "length" and len(out.samples[0].token_ids) == 10
+
+        aengine.error = None  # the stop above was make-believe: the engine serves on
+
+        async def streamed():
+            async with contextlib.aclosing(aengine.stream(prompts(3)[0], GREEDY, 60)) as events:
+                return [e async for e in events][-1].output
+
+        assert asyncio.run(streamed()).samples[0].finish_reason == "length"
 
 
 def test_a_row_without_top_p_keeps_its_whole_distribution_beside_a_row_with_one():

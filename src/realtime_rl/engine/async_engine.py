@@ -110,6 +110,12 @@ class AsyncEngine:
         if self.error is not None:
             raise RuntimeError(f"the engine thread died: {self.error!r}") from self.error
 
+    def _raise_if_cut_off(self, output: RequestOutput) -> None:
+        """Why `output` ended, when the engine's stop or death aborted it; an output that finished before
+        (a stop right after its last step) is the caller's, whole."""
+        if self.error is not None and any(sample.finish_reason == "abort" for sample in output.samples):
+            self._raise_if_dead()
+
     def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_update) -> str:
         self._raise_if_dead()
         if self._thread is None:
@@ -161,7 +167,8 @@ class AsyncEngine:
                     if remaining <= 0:
                         raise TimeoutError(f"generation did not finish within {timeout_s} s") from None
                     event = await asyncio.wait_for(queue.get(), remaining)
-                self._raise_if_dead()
+                if event.output is not None:
+                    self._raise_if_cut_off(event.output)
                 yield event
                 if event.output is not None:
                     return
@@ -193,7 +200,7 @@ class AsyncEngine:
         try:
             if not done.wait(timeout_s):
                 raise TimeoutError(f"generation did not finish within {timeout_s} s")
-            self._raise_if_dead()
+            self._raise_if_cut_off(box[0])
             return box[0]
         finally:
             self.engine.abort(rid)

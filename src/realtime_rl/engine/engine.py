@@ -190,6 +190,7 @@ class Engine:
             requests = list(self._requests.values())
             self._waiting.clear()
         self._running = []
+        self.slots.discard_taken()  # a restarted engine gets every slot back (they leaked, and it hung)
         for req in requests:
             try:
                 self._output(req, "abort")
@@ -282,14 +283,14 @@ class Engine:
         followers: list[tuple[Request, int]] = []  # (request, its prompt's leader) for later ones
         aborted: list[Request] = []  # told after the lock is released (their callbacks may call in again)
         with self._lock:
-            if (self.prefill_wait_s and self._running and self._waiting
-                    and time.perf_counter() - self._waiting[0].created < self.prefill_wait_s):
-                return  # decode on; the requests arriving meanwhile join this one's prefill
-            while self._waiting and (self._waiting[0].aborted or self._waiting[0].params.n <= len(self.slots.free)):
+            if any(r.aborted for r in self._waiting):  # wherever they wait: one blocked at the head holds no other
+                aborted = [r for r in self._waiting if r.aborted]
+                self._waiting = deque(r for r in self._waiting if not r.aborted)
+            # Decode on while the oldest waits less than prefill_wait_s: those arriving meanwhile join its prefill.
+            hold = bool(self.prefill_wait_s and self._running and self._waiting
+                        and time.perf_counter() - self._waiting[0].created < self.prefill_wait_s)
+            while not hold and self._waiting and self._waiting[0].params.n <= len(self.slots.free):
                 req = self._waiting.popleft()
-                if req.aborted:
-                    aborted.append(req)
-                    continue
                 key = tuple(req.prompt_ids) if self.slots.prefix_caching else None
                 leader = leaders.get(key) if key is not None else None
                 for i in range(req.params.n):

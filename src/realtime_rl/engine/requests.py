@@ -10,7 +10,9 @@ The engine (engine.py) schedules slots, batches and weights; everything here con
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -89,16 +91,28 @@ class Request:
     aborted: bool = False
 
 
+def _token_id(t: object, position: int) -> int:
+    """`t` as a token id: an int (numpy's and 0-d torch integers too), never a float, bool or string."""
+    if not isinstance(t, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(t)
+    raise ValueError(f"prompt token ids must be integers; position {position} holds {t!r}")
+
+
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int, max_seq_len: int,
                   max_batch: int, tokenizer: Tokenizer | None) -> list[int]:
     """The prompt as a list of ints, or a ValueError saying what is wrong with the request."""
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need text: this engine has no tokenizer (use stop_token_ids)")
-    prompt = [int(t) for t in prompt_ids]
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError("the prompt is a sequence of token ids, not text: tokenize it first")
+    prompt = [_token_id(t, i) for i, t in enumerate(prompt_ids)]
     if not prompt:
         raise ValueError("the prompt is empty")
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+    if params.stop_token_ids and (min(params.stop_token_ids) < 0 or max(params.stop_token_ids) >= vocab):
+        raise ValueError(f"stop_token_ids must be in 0..{vocab - 1}, got {params.stop_token_ids}")
     if len(prompt) >= max_seq_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {max_seq_len}")
     if params.n > max_batch:

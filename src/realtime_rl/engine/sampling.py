@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +37,29 @@ class SamplingParams:
     """Alternatives to return per token (0 to 20)."""
 
     def __post_init__(self) -> None:
+        # Types first: a float n or a bare int as stop_token_ids would otherwise fail on the engine's thread,
+        # which ends it for every caller.
+        def integer(x: object) -> bool:  # numpy's integers too
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        def number(x: object) -> bool:
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        types = {
+            "temperature": (number, "a finite number"), "top_p": (number, "a finite number"),
+            "top_k": (integer, "an integer"), "max_tokens": (integer, "an integer"), "n": (integer, "an integer"),
+            "top_logprobs": (integer, "an integer"), "seed": (lambda x: x is None or integer(x), "an integer or None"),
+            "stop_token_ids": (lambda x: x is None or (isinstance(x, (list, tuple)) and all(map(integer, x))),
+                               "a list of integers or None"),
+            "ignore_eos": (lambda x: isinstance(x, bool), "a bool"),
+        }
+        for name, (ok, kind) in types.items():
+            if not ok(value := getattr(self, name)):
+                raise ValueError(f"{name} must be {kind}, got {value!r}")
+        for name in ("top_k", "max_tokens", "n", "top_logprobs"):  # numpy's integers as Python's (torch seeds)
+            setattr(self, name, int(getattr(self, name)))
+        self.seed = None if self.seed is None else int(self.seed)
+        self.stop_token_ids = None if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),

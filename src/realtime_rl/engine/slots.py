@@ -5,6 +5,7 @@
     slot, hit = slots.take(prompt_ids, version, beat=live_hit)  # hit: leading prompt tokens its cache holds
     slots.hold(slot, prompt_ids, routing)             # prefilled: other requests may copy its prompt
     slots.release(slot, tokens, routing)              # free again; the cache stays for the next taker
+    slots.discard_taken()                             # every slot free, the taken ones' caches dropped (abort_all)
     slots.computed(slot, hit, len(prompt_ids))        # the prefill computed those positions' keys/values
     slots.copied(slot, other, len(prompt_ids))        # another sample of the prompt got a copy of them
     batch = decode_slots([3, 4, 6], [900, 40, 2100], gather=False, device=device,  # how a decode step reads
@@ -131,6 +132,14 @@ class SlotTable:
             if hit > best_hit:
                 best, best_hit = slot, hit
         return best, best_hit
+
+    def discard_taken(self) -> None:
+        """Free every slot in use without keeping its keys/values for reuse: their requests were cut off, maybe
+        mid-step (the engine stopped or failed), so what the slots hold is not known to be whole."""
+        for slot in sorted(set(range(len(self.tokens))) - set(self.free)):
+            self.free.append(slot)
+            self._freed_at[slot] = next(self._frees)
+            self.tokens[slot], self.routing[slot], self.blocks[slot] = None, None, []
 
     def computed(self, slot: int, start: int, end: int) -> None:
         """Positions start..end-1 of `slot` were just computed (a prefill from `start`): new keys/values that no
