@@ -230,6 +230,33 @@ def test_warm_slot_survives_a_hang_and_a_killed_slot(pool):
     assert all(r.ok and r.warm for r in reports)
 
 
+FORGE = """
+import json, os, struct
+
+
+def forge(data):
+    for fd in os.listdir("/proc/self/fd"):  # every pipe past stderr: the report pipe among them
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:") and int(fd) > 2:
+                os.write(int(fd), struct.pack(">Q", len(data)) + data)
+        except OSError:
+            pass
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("forged", [
+    b"[]",  # a report that is no object: the host read .get on a list and the grading raised
+    b'{"passed": 1, "x": ' + b"[" * 980 + b"]" * 980 + b"}",  # parsed in the slot; too deep for the host's stack
+])
+def test_a_report_forged_by_the_code_under_test_is_no_report_and_the_pool_serves_on(pool, forged):
+    files = {"test_f.py": "import f\n\ndef test_f():\n    pass\n", "f.py": FORGE + f"forge({forged!r})\n"}
+    report = pool.run_tests(files, ["test_f.py"])
+    assert not report.ok and report.passed == 0 and report.fallback_reason  # graded as no report, cold
+    ok = {"test_ok.py": "def test_ok():\n    pass\n"}
+    assert all(r.ok and r.warm for r in (pool.run_tests(ok, ["test_ok.py"]) for _ in range(3)))
+
+
 def test_a_fallback_run_gets_what_is_left_of_the_calls_timeout_not_a_fresh_one(sandbox, pool):
     """A solution that sleeps, then exits before reporting, makes the warm run (or the light runner) fall back to
     pytest: the whole run_tests call stays within its timeout, so the fallback times out here."""

@@ -339,7 +339,11 @@ def run_one(req: dict, child: Child, workdir: str, scratch: list, own_pidns: boo
         clear_dir(path)
     rep = bufs[child.rep_r]
     complete = len(rep) >= 8 and len(rep) == 8 + int.from_bytes(rep[:8], "big")
-    report = json.loads(bytes(rep[8:])) if complete else None
+    try:  # the code under test can write to the report pipe too: anything but one JSON object is no report
+        report = json.loads(bytes(rep[8:])) if complete else None
+    except (ValueError, RecursionError):
+        report = None
+    report = report if isinstance(report, dict) else None
     return {
         "timed_out": timed_out, "report": report, "truncated": truncated,
         "exit_code": os.waitstatus_to_exitcode(status), "duration_s": time.monotonic() - start,
