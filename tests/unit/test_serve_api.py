@@ -390,6 +390,9 @@ def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_before_generating(api):
         r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
     assert store.count_completions() == 0
+    nested = b'{"model": "%s", "messages": %s"\\u0041"%s}' % (MODEL.encode(), b"[" * 50_000, b"]" * 50_000)
+    r = client.post("/v1/chat/completions", content=nested, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:200]  # a RecursionError in the surrogate check was a 500
     paired = b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d\\ude00 C:\\\\ud800"}], ' \
              b'"max_tokens": 4}' % MODEL.encode()  # an escaped pair (an emoji), and an escaped backslash
     r = client.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"})

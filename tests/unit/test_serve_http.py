@@ -134,6 +134,41 @@ def test_a_client_that_leaves_while_its_answer_is_recorded_gets_a_499_and_it_is_
         assert event.completion_id == record.completion_id
 
 
+def test_a_stream_whose_client_leaves_while_its_record_is_written_is_marked_undelivered(tmp_path, tokenizer):
+    """The client goes away while the record's write is in flight: the stream is cancelled there, and the write
+    commits anyway (it runs in a thread). It was recorded as delivered, and trained on."""
+    with gateway(tmp_path, tokenizer) as (client, store, _):
+        add, writing = store.add_completion, threading.Event()
+
+        def slow_add(record):
+            writing.set()
+            time.sleep(0.5)
+            add(record)
+
+        store.add_completion = slow_add
+        body = chat(max_tokens=6, stream=True)
+        messages, sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}], []
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            while not writing.is_set():
+                await asyncio.sleep(0.005)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        _asgi_post(client, body, receive, send)
+        assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
+        [event] = _undelivered(store)
+        deadline = time.monotonic() + 10  # the write lands after the stream was cancelled
+        while not store.list_completions() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [record] = store.list_completions()
+        assert (event.completion_id, event.attributes) == (record.completion_id, {"reason": "client_disconnected"})
+
+
 def test_a_record_whose_write_outlasts_the_503_is_marked_undelivered(tmp_path, tokenizer, monkeypatch):
     """Past STORE_TIMEOUT_S the answer is a 503 but the write may still commit: should it land, it is marked."""
     import realtime_rl.serve.completions as completions
@@ -190,8 +225,9 @@ def test_an_answer_sent_back_as_history_and_a_long_session_id_are_accepted(tmp_p
     with gateway(tmp_path, tokenizer) as (client, store, _):
         answer = {"role": "assistant", "content": "hi", "refusal": None, "annotations": None, "audio": None,
                   "function_call": None, "reasoning_content": None, "tool_calls": None}
+        openai_answer = answer | {"annotations": []}  # OpenAI's own answers: it was a 400
         session = "s" * 256
-        body = chat(messages=[*M, answer, *M], metadata={"session_id": session})
+        body = chat(messages=[*M, answer, *M, openai_answer, *M], metadata={"session_id": session})
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert store.get_completion(r.json()["id"]).session_id == session

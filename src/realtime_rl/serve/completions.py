@@ -298,6 +298,9 @@ async def record_completion(state: ServeState, record: CompletionRecord) -> None
     A write that outlasted STORE_TIMEOUT_S may still commit after the 503: it is marked undelivered."""
     try:
         await asyncio.wait_for(run_in_threadpool(state.store.add_completion, record), STORE_TIMEOUT_S)
+    except asyncio.CancelledError:  # the client left (or the server stops) mid-write; the write may still commit
+        mark_undelivered(state, record, "client_disconnected")
+        raise
     except Exception as e:  # the store is a real boundary: disk full, locked, closed, slow
         log.exception("could not record completion %s", record.completion_id)
         if isinstance(e, TimeoutError):

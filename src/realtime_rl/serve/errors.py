@@ -166,7 +166,7 @@ def lone_surrogate(body: bytes) -> bool:
         return False
     try:
         value = json.loads(body)
-    except ValueError:  # not JSON: the route's own parse answers it
+    except (ValueError, RecursionError):  # not JSON, or nested past the stack: the route's own parse answers it
         return False
     return not encodable(json.dumps(value, ensure_ascii=False))
 

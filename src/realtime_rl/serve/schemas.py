@@ -63,7 +63,7 @@ class AssistantMessageCreate(_MessageCreate):
     tool_calls: list[ToolCall] | None = Field(None, max_length=128)
     # OpenAI and vLLM answers carry these as null, and clients send answers back as history; null only
     refusal: None = None
-    annotations: None = None
+    annotations: list[dict[str, Any]] | None = Field(None, max_length=128)  # OpenAI's answers: [] (ignored)
     audio: None = None
     function_call: None = None
     reasoning_content: None = None
