@@ -348,8 +348,12 @@ def test_ray_actors_that_cannot_be_placed_are_a_clear_error(tmp_path, tiny_check
         # where 10 s was too short for them after the Ray tests before this one.
         backend = RayBackend(rollout.model_copy(update={"workers": 3, "timeout_s": 30}), tiny_checkpoint, group_size=2)
         model = load_checkpoint(tiny_checkpoint).model
-        try:  # a CPU each, two CPUs: the third actor is never placed
-            with pytest.raises(TimeoutError, match=r"1 of 3 rollout actors not started after 30 s.*lower rollout"):
+        # A CPU each, two CPUs: the third actor is never placed. On a loaded machine the two placed ones may not
+        # have started within the 30 s either (the full suite beside it once made it "3 of 3"): the error is the
+        # same clear one.
+        try:
+            with pytest.raises(TimeoutError, match=r"[123] of 3 rollout actors not started after 30 s.*"
+                                                   r"each asks for 1 CPU.*lower rollout"):
                 backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
         finally:
             backend.close()

@@ -210,6 +210,37 @@ def test_durability_settings(store):
         assert store.setting("fsync") == "on"
 
 
+def test_postgres_connections_fail_a_vanished_server_within_the_statement_timeout(tmp_path):
+    """statement_timeout is the server's: it cannot fire when the server is gone (a failover, a host powered
+    off), and the kernel's defaults keep a write waiting 15 minutes or more, holding the store's lock."""
+    with store_location("postgres", tmp_path) as location, open_event_store(tmp_path, location) as store:
+        parameters = store._conn.info.get_parameters()
+        assert parameters["tcp_user_timeout"] == str(int(store.statement_timeout_s * 1000))
+        assert (parameters["keepalives"], parameters["keepalives_idle"]) == ("1", "10")
+
+
+def test_events_are_stamped_on_the_clock_the_horizon_reads(store, monkeypatch):
+    """A gateway whose clock runs 1000 s ahead: Postgres stamps and reads the server's clock, so an event stamped
+    on another host is never ahead of the trainer's horizon (a gateway behind the trainer's clock had its
+    events called late); SQLite lives on one host and uses its clock for both."""
+    import realtime_rl.collect.sql as sql
+
+    class AheadClock:
+        @staticmethod
+        def time() -> float:
+            return time.time() + 1000
+
+    monkeypatch.setattr(sql, "time", AheadClock)
+    store.add_events(make_events("clock", 1))
+    [event] = store.list_events()
+    horizon = store.event_horizon()
+    assert event.recorded_at <= horizon
+    if isinstance(store, SqliteEventStore):
+        assert event.recorded_at > time.time() + 900  # the host's clock
+    else:
+        assert abs(event.recorded_at - time.time()) < 60  # the server's (the same host's here, unskewed)
+
+
 def test_an_acknowledged_record_and_events_survive_a_killed_process(tmp_path, location, open_store):
     code = textwrap.dedent(f"""
         import os, signal, sys
@@ -545,6 +576,29 @@ def test_the_group_committer_reports_store_errors_and_skips_cancelled_batches(st
     committer.close()
     store.add_event_batches = real
     assert [e.event_id for e in store.list_events()] == ["first-0", "first-1"]
+
+
+def test_a_batch_submitted_while_the_committer_closes_is_answered(store):
+    """submit() passed its closed check, then close() ran to the end before the batch was queued: the batch sat
+    in a queue nobody read, and its caller waited out its own timeout."""
+    committer = GroupCommitter(store)
+    closing = threading.Thread(target=committer.close)
+    count_lock = committer._count_lock
+
+    class CloseMeanwhile:  # submit's first take of the count lock: between its closed check and its put
+        def __enter__(self):
+            if threading.current_thread() is threading.main_thread() and not closing.is_alive():
+                closing.start()
+                closing.join(0.5)
+            return count_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return count_lock.__exit__(*exc)
+
+    committer._count_lock = CloseMeanwhile()
+    future = committer.submit(make_events("racing", 1))
+    closing.join(30)
+    assert not closing.is_alive() and future.result(timeout=10).stored == ["racing-0"]
 
 
 def test_invalid_events_are_refused():

@@ -183,7 +183,8 @@ class FeedbackEvent:
     seq: int | None = None
     """Assigned by the store on insert; strictly increasing within one store, in commit order."""
     recorded_at: float | None = None
-    """Unix seconds when the store committed the event (assigned by the store; time windows use it)."""
+    """Unix seconds on the store's clock (SQLite: the writer's host; Postgres: the server), stamped inside the
+    write before its commit (assigned by the store; time windows use it; `EventStore.event_horizon`)."""
 
     def __post_init__(self) -> None:
         where = f"event {self.event_id!r}"

@@ -46,18 +46,20 @@ class GroupCommitter:
         self._queued_events = 0
         self._count_lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Lock()  # a submit's check and put against close()'s: none lands after the stop
         self._thread = threading.Thread(target=self._run, name="rtrl-group-commit", daemon=True)
         self._thread.start()
 
     def submit(self, events: list[FeedbackEvent]) -> Future[EventBatchResult]:
-        if self._closed:
-            raise RuntimeError("the group committer is closed")
-        with self._count_lock:
-            if self._queued_events + len(events) > self.max_queued_events:
-                raise queue.Full(f"{self._queued_events} events already wait for the event store")
-            self._queued_events += len(events)
-        future: Future[EventBatchResult] = Future()
-        self._queue.put((events, future))
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("the group committer is closed")
+            with self._count_lock:
+                if self._queued_events + len(events) > self.max_queued_events:
+                    raise queue.Full(f"{self._queued_events} events already wait for the event store")
+                self._queued_events += len(events)
+            future: Future[EventBatchResult] = Future()
+            self._queue.put((events, future))  # unbounded: never blocks
         return future
 
     def _run(self) -> None:
@@ -134,10 +136,11 @@ class GroupCommitter:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Idempotent: stop taking batches, write those already submitted, stop the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TimeoutError(f"the group committer did not finish within {timeout_s} s")

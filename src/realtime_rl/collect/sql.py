@@ -133,6 +133,11 @@ class SqlEventStore(EventStore):
     def _in_ids(self, column: str, ids: list[str]) -> tuple[str, tuple[Any, ...]]:
         """A WHERE fragment "column is one of ids" and its parameters."""
 
+    def _clock(self, conn: Any) -> float:
+        """Now, in unix seconds, as this store stamps `recorded_at` and reads `event_horizon`: one clock for both,
+        so that "stamped before the horizon" means what it says. This process's (SQLite: one host)."""
+        return time.time()
+
     def _insert_events(self, conn: Any, rows: list[tuple[Any, ...]]) -> None:
         """Insert rows of EVENT_COLUMNS whose ids are known to be new (checked under the write lock)."""
         cur = conn.cursor()
@@ -202,7 +207,7 @@ class SqlEventStore(EventStore):
             if conn.execute(q("SELECT 1 FROM completions WHERE completion_id = ?"), (record.completion_id,)).fetchone():
                 raise ValueError(f"completion {record.completion_id} is already recorded")
             seq = conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM completions").fetchone()[0]
-            recorded_at = time.time()
+            recorded_at = self._clock(conn)
             row = completion_row(record)
             conn.execute(q(f"INSERT INTO completions ({_columns(COMPLETION_COLUMNS)}) "
                            f"VALUES ({', '.join('?' for _ in COMPLETION_COLUMNS)})"),
@@ -269,7 +274,7 @@ class SqlEventStore(EventStore):
             known = {r[0]: event_from_row(r).content() for r in conn.execute(
                 self._q(f"SELECT {_columns(EVENT_COLUMNS)} FROM feedback_events WHERE {where}"), args).fetchall()}
             seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback_events").fetchone()[0]
-            recorded_at = time.time()
+            recorded_at = self._clock(conn)
             rows = []
             for batch, result in zip(batches, results):
                 new: dict[str, FeedbackEvent] = {}
@@ -342,5 +347,5 @@ class SqlEventStore(EventStore):
     def event_horizon(self) -> float:
         # Taken under the events' write lock, which each write holds from its stamp to its commit: any write
         # stamped earlier has committed (visibly, before its lock went) by the time this one holds it.
-        with self._write("feedback_events"):
-            return time.time()
+        with self._write("feedback_events") as conn:
+            return self._clock(conn)

@@ -188,16 +188,20 @@ class RewardLedger:
         self.page_size = page_size
         self._conn: sqlite3.Connection | None = sqlite3.connect(self.path, timeout=busy_timeout_s,
                                                                 isolation_level=None)
-        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if mode.lower() != "wal":
-            raise ValueError(f"{self.path}: SQLite refused WAL mode (got {mode}); is it on a network filesystem?")
-        # FULL: a settlement the trainer may have read must not vanish in a power cut and then be paid again
-        # differently.
-        self._conn.execute("PRAGMA synchronous=FULL")
-        with self._write() as conn:
-            for statement in (s.strip() for s in SCHEMA.split(";")):
-                if statement:
-                    conn.execute(statement)
+        try:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise ValueError(f"{self.path}: SQLite refused WAL mode (got {mode}); is it on a network filesystem?")
+            # FULL: a settlement the trainer may have read must not vanish in a power cut and then be paid again
+            # differently.
+            self._conn.execute("PRAGMA synchronous=FULL")
+            with self._write() as conn:
+                for statement in (s.strip() for s in SCHEMA.split(";")):
+                    if statement:
+                        conn.execute(statement)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ plumbing
 
@@ -319,7 +323,9 @@ class RewardLedger:
                 session_id=v["session_id"], choice_index=v["choice_index"], name=v["name"], value=v["value"],
                 window_s=v["window_s"], seq=v["event_seq"], recorded_at=v["recorded_at"]))
         sessions: dict[str, list[float]] = {}
-        for session_id, ended_at in conn.execute("SELECT session_id, ended_at FROM session_ends"):
+        for session_id, ended_at in conn.execute(  # the pending items' sessions only: the table only grows
+                "SELECT session_id, ended_at FROM session_ends WHERE session_id IN "
+                "(SELECT session_id FROM items WHERE status = 'pending')"):
             sessions.setdefault(session_id, []).append(ended_at)
         settle_seq = conn.execute("SELECT COALESCE(MAX(settle_seq), 0) FROM items").fetchone()[0]
         digest = rules.digest()

@@ -14,7 +14,6 @@ the monitors share.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -122,7 +121,9 @@ class ReplayReport:
 
 def replay(store: EventStore, rules: RewardRules, since: float | None = None, until: float | None = None,
            now: float | None = None) -> ReplayReport:
-    now = time.time() if now is None else now
+    # The store's horizon, not the wall clock: an event stamped before it is committed by then, so replay sees
+    # at least what the ledger counted (the wall clock missed events still committing, on the store's clock).
+    now = store.event_horizon() if now is None else now
     traffic = read_traffic(store, since, until)
     report = ReplayReport(rules.version, rules.digest(), now, completions=len(traffic.completions))
     for record in traffic.completions:
