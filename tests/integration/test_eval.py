@@ -117,3 +117,9 @@ def test_a_task_whose_tests_the_workspace_cannot_hold_is_refused_when_loaded(tmp
     config_path.write_text(json.dumps(config | {"files": config["files"] | {"test": ["../elsewhere_test.py"]}}))
     with pytest.raises(ValueError, match="outside the task: ../elsewhere_test.py"):
         load_task(task_dir)
+    # A hidden test named like the visible one: grading dropped it in by base name, over the visible test.
+    (task_dir / "tests" / "two_fer_test.py").rename(task_dir / "two_fer_test.py")
+    (task_dir / ".meta" / "two_fer_test.py").write_text("def test_hidden():\n    pass\n")
+    config_path.write_text(json.dumps(config | {"files": config["files"] | {"hidden_test": [".meta/two_fer_test.py"]}}))
+    with pytest.raises(ValueError, match="hidden tests named like a top-level file of the task: two_fer_test.py"):
+        load_task(task_dir)

@@ -69,6 +69,16 @@ def test_edit_fails_clearly_when_absent_or_ambiguous():
     assert t.workspace.files["a.py"] == "x = 1\ny = 2\nx = 1\n"  # nothing changed
 
 
+def test_edits_cannot_grow_a_file_past_the_size_write_file_allows():
+    from realtime_rl.environments.tools import MAX_FILE_BYTES
+
+    t = tools()
+    assert not call(t, "write_file", path="big.py", content="x" * (MAX_FILE_BYTES - 10) + "\nEND\n").error
+    out = call(t, "edit_file", path="big.py", old="END", new="y" * 100)
+    assert out.error and f"larger than {MAX_FILE_BYTES} bytes" in out.content
+    assert t.workspace.files["big.py"].endswith("\nEND\n")  # nothing changed
+
+
 def test_wrong_argument_names_and_missing_runner_are_observations():
     t = tools()
     out = call(t, "write_file", path="a.py", text="oops")

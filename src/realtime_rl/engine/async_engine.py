@@ -113,7 +113,8 @@ class AsyncEngine:
     def _raise_if_cut_off(self, output: RequestOutput) -> None:
         """Why `output` ended, when the engine's stop or death aborted it; an output that finished before
         (a stop right after its last step) is the caller's, whole."""
-        if self.error is not None and any(sample.finish_reason == "abort" for sample in output.samples):
+        samples = output.samples  # none: aborted before it was admitted
+        if self.error is not None and (not samples or any(s.finish_reason == "abort" for s in samples)):
             self._raise_if_dead()
 
     def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_update) -> str:

@@ -170,6 +170,11 @@ def load_task(path: str | Path) -> Task:
     missing = [rel for rel in listed if not (path / rel).is_file()]
     if missing:
         raise ValueError(f"{path}: .meta/config.json lists files that do not exist: {', '.join(missing)}")
+    top_level = {p.name for p in path.iterdir() if p.is_file()}
+    clashes = sorted(top_level & {PurePosixPath(rel).name for rel in task.hidden_test_files})
+    if clashes:  # grading drops hidden tests in by base name: one would replace a visible test or a solution
+        raise ValueError(f"{path}: hidden tests named like a top-level file of the task: {', '.join(clashes)}; "
+                         "rename them")
     if len(task.example_files) > len(task.solution_files):
         raise ValueError(f"{path}: more example files than solution files")
     if task.cases_file is not None:

@@ -177,7 +177,10 @@ class Tools:
         if count > 1:
             return ToolOutcome(f"error: the text to replace occurs {count} times in {path}; "
                                "include more context so it is unique", error=True)
-        self.workspace.files[path] = text.replace(old, new, 1)
+        edited = text.replace(old, new, 1)
+        if len(edited.encode()) > MAX_FILE_BYTES:  # as write_file: edits must not grow a file past it either
+            return ToolOutcome(f"error: the edit makes {path} larger than {MAX_FILE_BYTES} bytes", error=True)
+        self.workspace.files[path] = edited
         return ToolOutcome(f"edited {path}")
 
     def _tool_run_tests(self) -> ToolOutcome:
