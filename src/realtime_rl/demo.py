@@ -45,12 +45,13 @@ def _traffic(run_dir: Path, since: float, until: float, persist_window_s: float,
              horizon_s: float) -> tuple[dict[str, int], list[ABRecord]]:
     store = open_event_store(run_dir, "sqlite")
     try:
+        as_of = store.event_horizon()
         traffic = read_traffic(store, since, until)
     finally:
         store.close()
     version = {c.completion_id: c.model_version for c in traffic.completions}
     return version, ab_records(traffic.completions, [e for evs in traffic.events.values() for e in evs],
-                               persist_window_s, horizon_s)
+                               persist_window_s, horizon_s, as_of=as_of)
 
 
 def traffic_by_version(run_dir: Path, since: float, until: float,

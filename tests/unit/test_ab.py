@@ -309,6 +309,24 @@ def test_a_persist_shorter_than_the_reward_rules_window_does_not_count_as_kept(t
     store.close()
 
 
+def test_a_revert_of_a_completion_too_young_to_have_been_kept_waits_as_a_keep_would():
+    """Read at `as_of`, a completion younger than persist_window_s can only have been reverted, never kept:
+    counting its reverts made the last window's traffic all reverts, and the kept rate hang on when the A/B
+    ran. Such a revert is pending; one old enough decides, as does a keep."""
+    def stored(cid: str, kind: str, at: float, window_s: float | None = None) -> FeedbackEvent:
+        return FeedbackEvent(f"{cid}-{kind}", kind, completion_id=cid, window_s=window_s, recorded_at=at, seq=1)
+
+    completions = [completion(cid, f"u{k}", "champion", 0.5, created_at=at)
+                   for k, (cid, at) in enumerate([("young", 1900.0), ("old", 1000.0), ("kept", 1000.0)])]
+    events = [stored("young", "edit_reverted", 1950.0), stored("old", "edit_reverted", 1100.0),
+              stored("kept", "edit_persisted", 1700.0, 600.0)]
+    records = {r.completion_id: (r.edited, r.kept, r.reverted)
+               for r in ab_records(completions, events, persist_window_s=600.0, as_of=2000.0)}
+    assert records == {"young": (True, False, False), "old": (True, False, True), "kept": (True, True, False)}
+    later = {r.completion_id: r.reverted for r in ab_records(completions, events, 600.0, as_of=2500.0)}
+    assert later["young"]  # once it is old enough, its revert decides
+
+
 def test_the_ab_counts_an_edit_kept_exactly_when_the_rewards_pay_it_as_persisted():
     # The first decision on the store's clock within the horizon wins, in both (RewardRules: persist 600 s,
     # horizon 3600 s). Completions are created at 1000.

@@ -373,6 +373,25 @@ def test_generate_frees_its_place_in_the_queue_when_it_returns(moe):
     assert [len(o.samples[0].token_ids) for o in asyncio.run(main())] == [10, 10]
 
 
+def test_a_stream_whose_consumer_stops_reading_stops_counting_once_its_request_finishes(moe):
+    """A gateway stream whose client stops reading (its socket still open) is suspended at a yield: its request
+    counted as pending until the consumer drained it, and max_pending such streams refused everyone else."""
+
+    async def main():
+        with AsyncEngine(Engine(moe, max_batch=2), max_pending=1) as aengine:
+            stalled = aengine.stream(prompts(3)[0], GREEDY, timeout_s=60)
+            await anext(stalled)  # one token read, then nothing more
+            deadline = time.monotonic() + 30
+            while aengine._pending and time.monotonic() < deadline:  # the engine finishes it meanwhile
+                await asyncio.sleep(0.01)
+            out = await aengine.generate(prompts(4)[0], GREEDY, timeout_s=60)  # was EngineOverloaded
+            await stalled.aclose()
+            return out, aengine._pending
+
+    out, pending = asyncio.run(main())
+    assert len(out.samples[0].token_ids) == 10 and pending == 0  # counted once, not twice
+
+
 def test_a_callback_that_raises_aborts_only_its_request(moe):
     engine = Engine(moe, max_batch=4)
     slow = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

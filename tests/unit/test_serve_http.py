@@ -54,6 +54,40 @@ def test_a_client_that_leaves_before_its_answer_aborts_it_and_nothing_is_recorde
         assert sent[0]["status"] == 499
 
 
+def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted_with_a_499(tmp_path, tokenizer):
+    """A stream waits for its first token before its response starts; a client gone meanwhile (its request
+    queued behind others) was noticed only once the first token came, and the request kept its place."""
+    with gateway(tmp_path, tokenizer) as (client, store, engine):
+        step, slow = engine.engine.step, threading.Event()
+
+        def slow_first_steps():
+            if not slow.is_set():
+                time.sleep(0.1)
+            return step()
+
+        engine.engine.step = slow_first_steps
+        body = chat(max_tokens=200, stream=True)
+        messages, sent = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}], []
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            return {"type": "http.disconnect"}  # at once: before any token
+
+        async def send(message):
+            sent.append(message)
+
+        t0 = time.monotonic()
+        _asgi_post(client, body, receive, send)
+        slow.set()
+        assert sent[0]["status"] == 499 and time.monotonic() - t0 < 5
+        deadline = time.monotonic() + 5
+        while (engine.engine.num_running or engine.engine.num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.engine.num_running == 0 and engine.engine.num_waiting == 0 and engine._pending == 0
+        assert store.count_completions() == 0
+
+
 def _asgi_post(client, body: dict, receive, send) -> None:
     """POST /v1/chat/completions straight to the app over ASGI, with the test's receive and send."""
     raw = json.dumps(body).encode()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +117,9 @@ class AsyncEngine:
         if self.error is not None and (not samples or any(s.finish_reason == "abort" for s in samples)):
             self._raise_if_dead()
 
-    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_update) -> str:
+    def _submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_update,
+                release: Callable[[], None] | None = None) -> str:
+        """Queue the request (counted as pending until `release`, by default `_release`, is called)."""
         self._raise_if_dead()
         if self._thread is None:
             raise RuntimeError("AsyncEngine is not started")
@@ -131,7 +133,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
                 self._raise_if_dead()
         except BaseException:
-            self._release()
+            (release or self._release)()
             raise
         self._wake.set()
         return rid
@@ -151,13 +153,21 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
+        released = threading.Lock()  # held once the request no longer counts as pending
+
+        def release_once() -> None:
+            if released.acquire(blocking=False):
+                self._release()
+
         def on_update(_rid: str, index: int, token: int | None, output: RequestOutput | None) -> None:
+            if output is not None:  # done in the engine: a consumer that stops reading holds no place in it
+                release_once()
             if not loop.is_closed():  # a caller gone with its loop: nobody to tell (the engine aborts it)
                 # On the engine's thread, which applies swaps between steps: its version sampled the token.
                 event = TokenEvent(index, token, output, self.engine.version if token is not None else None)
                 loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        rid = self._submit(prompt_ids, params, on_update)
+        rid = self._submit(prompt_ids, params, on_update, release_once)
         deadline = loop.time() + timeout_s
         try:
             while True:
@@ -175,7 +185,7 @@ class AsyncEngine:
                     return
         finally:
             self.engine.abort(rid)  # no-op once finished; frees slots if the caller went away
-            self._release()
+            release_once()
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        timeout_s: float = 300.0) -> RequestOutput:

@@ -17,7 +17,10 @@ are not attributed to a completion and are ignored here):
   clock both reach persist_window_s; a contrary event after it changes nothing (see `ab_records`);
 - edits kept % = kept / (kept + reverted): edits not decided yet are pending, and so are those never
   decided by the horizon (censored); both are left out of numerator and denominator alike (counted in
-  the report), so the rate does not depend on when the analysis runs;
+  the report). So is a revert of a completion younger than persist_window_s at `as_of` (when the events
+  were read): a keep could not have been seen yet, and counting its reverts alone would bias the rate
+  down by however much traffic came in the last window; so the rate does not depend on when the analysis
+  runs;
 - dissatisfied follow-ups % = completions with followup_dissatisfied / completions;
 - latency: p50 and mean of the completion's latency_s.
 
@@ -105,7 +108,8 @@ class ABRecord:
 
 
 def ab_records(completions: Iterable[CompletionRecord], events: Iterable[FeedbackEvent],
-               persist_window_s: float = 0.0, horizon_s: float = math.inf) -> list[ABRecord]:
+               persist_window_s: float = 0.0, horizon_s: float = math.inf,
+               as_of: float | None = None) -> list[ABRecord]:
     """One record per completion, with the stored feedback events that name it (by completion id).
 
     An edit's outcome is decided as the reward rules decide it (rewards.rules), on the store's clock: by
@@ -116,6 +120,9 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
     contrary event after the decision changes nothing (an edit persisted past its window, then reverted,
     is kept, as the rewards pay it). An edit without a decision is pending: not decided yet, or censored at
     the horizon. Pass the rules' persist_window_s and horizon_s so that the two agree on what "kept" means.
+    `as_of`, the time the events were read (the store's `event_horizon()` before reading them): an edit
+    reverted before its completion was persist_window_s old at `as_of` is pending too, since its keep, had it
+    been kept, could not have been recorded yet (None: every completion is taken as old enough).
 
     Where they still differ: the rules decide per choice and only for an item that awaits an edit (an edit
     reply, or one accepted within the follow-up window); here any completion with an edit event counts,
@@ -132,6 +139,8 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
     for c in completions:
         seen = sorted(by_completion.get(c.completion_id, []), key=lambda e: (e.recorded_at, e.seq or 0))
         decision = next((e.type for e in seen if _decides(e, c.created_at, persist_window_s, horizon_s)), None)
+        if decision == "edit_reverted" and as_of is not None and as_of - c.created_at < persist_window_s:
+            decision = None  # only a revert can have decided it by now: it waits, as a keep would
         types = {e.type for e in seen}
         if "undelivered" in types:
             continue

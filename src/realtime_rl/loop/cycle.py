@@ -318,10 +318,11 @@ class RealtimeLoop:
             reason = "deployed after this cycle's window: judged from the next"
             self.console.print(f"canary v{version}: {reason}")
             return {"version": version, "decision": "continue", "reason": reason}
+        as_of = self.store.event_horizon()  # every event stamped before it is read below
         traffic = read_traffic(self.store, since=state.canary_since, until=window_end)
         events = [e for evs in traffic.events.values() for e in evs]
-        ab = analyze(ab_records(traffic.completions, events, cfg.rewards.persist_window_s, cfg.rewards.horizon_s),
-                     cfg.ab)
+        ab = analyze(ab_records(traffic.completions, events, cfg.rewards.persist_window_s, cfg.rewards.horizon_s,
+                                as_of=as_of), cfg.ab)
         champion = [c for c in traffic.completions if c.arm == "champion"]
         candidate = [c for c in traffic.completions if c.arm == "candidate"]
         by_arm = {arm: traffic_interactions(Traffic(cs, traffic.events, traffic.session_ends))

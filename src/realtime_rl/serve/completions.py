@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import logging
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
 from realtime_rl.collect import ChoiceRecord, CompletionRecord, FeedbackEvent
@@ -52,6 +54,7 @@ from realtime_rl.serve.schemas import (
 from realtime_rl.types import ToolCall, ToolCallError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 STORE_TIMEOUT_S = 180.0
 """Longest wait for the store to record a completion: past what the stores' own bounds usually add up to
 (SQLite: its lock 30 s, then its busy timeout 10 s; PostgreSQL: its lock 90 s, then statement_timeout 60 s per
@@ -315,6 +318,29 @@ async def record_completion(state: ServeState, record: CompletionRecord) -> None
 
 
 UndeliveredReason = Literal["client_disconnected", "stream_error", "store_timeout"]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, unless the client disconnects first: then `work` is cancelled (an engine request is
+    aborted, freeing its slots) and the answer is a 499 that nobody reads. The body is read by now, so the
+    next ASGI message is the disconnect (as vLLM's with_cancellation listens for it)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # its cleanup aborts the engine request
+    if task.cancelled():
+        raise ApiError(499, "the client closed the request before the completion was ready",
+                       code="client_closed_request")
+    return task.result()
 
 
 def mark_undelivered(state: ServeState, record: CompletionRecord, reason: UndeliveredReason) -> None:

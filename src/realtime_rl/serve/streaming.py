@@ -24,6 +24,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -34,7 +35,7 @@ from realtime_rl.model import Tokenizer
 from realtime_rl.model.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from realtime_rl.serve.completions import (
     ARM_HEADER, Prepared, RequestInfo, UndeliveredReason, build_choice, build_record, build_text_choice,
-    engine_errors, mark_undelivered, oldest_version, record_completion, usage,
+    engine_errors, mark_undelivered, oldest_version, record_completion, unless_disconnected, usage,
 )
 from realtime_rl.serve.deps import ServeState
 from realtime_rl.serve.errors import ApiError
@@ -186,13 +187,14 @@ class TextChunks(Chunks):
         yield self.chunk([public.model_copy(update={"text": rest})])
 
 
-async def stream_response(state: ServeState, engine: AsyncEngine, prepared: Prepared, info: RequestInfo,
-                          timeout_s: float, chunks: type[Chunks] = ChatChunks) -> StreamingResponse:
+async def stream_response(request: Request, state: ServeState, engine: AsyncEngine, prepared: Prepared,
+                          info: RequestInfo, timeout_s: float, chunks: type[Chunks] = ChatChunks) -> StreamingResponse:
     """Stream from `engine` (the request's arm), within what is left of the request's time, as `chunks`
-    (ChatChunks or TextChunks) shapes them."""
+    (ChatChunks or TextChunks) shapes them. A client that leaves before the first token (a request queued
+    behind others) aborts it there, a 499, as a plain request's does."""
     events = engine.stream(prepared.prompt_ids, prepared.params, timeout_s=timeout_s)
-    with engine_errors(engine.error):
-        first = await anext(events)  # submits the request: overload and refusals are still HTTP errors
+    with engine_errors(engine.error):  # submits the request: overload and refusals are still HTTP errors
+        first = await unless_disconnected(request, anext(events))
     # The first token's version: the oldest of every sample's (all n start in one step), so the record's
     # (unless a rollback to older weights lands mid-reply: the record then names the older version).
     version = first.version if first.output is None else oldest_version(first.output)

@@ -20,12 +20,11 @@ an `Api` names what differs: the id prefix, preparing the prompt, the choices' a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -35,7 +34,7 @@ from realtime_rl.config import ApiKey
 from realtime_rl.engine import AsyncEngine
 from realtime_rl.serve.completions import (
     ARM_HEADER, Prepared, RequestInfo, build_record, engine_errors, mark_undelivered, prepare, record_completion,
-    usage,
+    unless_disconnected, usage,
 )
 from realtime_rl.serve.deps import InferenceKey, ServeState, StateDep
 from realtime_rl.serve.errors import ERROR_RESPONSES, ApiError, UnicodeBodyRoute
@@ -45,7 +44,6 @@ from realtime_rl.serve.schemas import (
 from realtime_rl.serve.streaming import ChatChunks, Chunks, stream_response
 
 router = APIRouter(prefix="/v1", tags=["chat"], route_class=UnicodeBodyRoute)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -114,9 +112,9 @@ async def _complete(api: Api, state: ServeState, engine: AsyncEngine,
     if left <= 0:
         raise ApiError(504, "rendering the prompt took the request's whole time", code="timeout")
     if body.stream:
-        return await stream_response(state, engine, prepared, info, left, api.chunks)
+        return await stream_response(request, state, engine, prepared, info, left, api.chunks)
     with engine_errors(engine.error):
-        output = await _unless_disconnected(request, engine.generate(prepared.prompt_ids, prepared.params,
+        output = await unless_disconnected(request, engine.generate(prepared.prompt_ids, prepared.params,
                                                                      timeout_s=left))
     built = await run_in_threadpool(  # decoding (logprobs: every alternative) is CPU work: off the event loop
         lambda: [api.chunks.build_choice(s, prepared, state.tokenizer, info.completion_id)
@@ -132,26 +130,3 @@ async def _complete(api: Api, state: ServeState, engine: AsyncEngine,
         id=info.completion_id, created=int(info.created_at), model=info.model_name,
         system_fingerprint=f"rtrl-v{record.model_version}", choices=[p for p, _ in built], usage=usage(record),
     )
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`await work`, unless the client disconnects first: then `work` is cancelled (an engine request is
-    aborted, freeing its slots) and the answer is a 499 that nobody reads. The body is read by now, so the
-    next ASGI message is the disconnect (as vLLM's with_cancellation listens for it)."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # its cleanup aborts the engine request
-    if task.cancelled():
-        raise ApiError(499, "the client closed the request before the completion was ready",
-                       code="client_closed_request")
-    return task.result()
