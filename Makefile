@@ -44,8 +44,8 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.runtime
 system-deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
-	  else echo "warning: cannot install$$missing (not root, no sudo); sandbox tests will skip" >&2; exit 0; fi; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else echo "warning: cannot install$$missing (not root, no passwordless sudo); sandbox tests will skip" >&2; exit 0; fi; \
 	  echo "installing Debian packages:$$missing"; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi

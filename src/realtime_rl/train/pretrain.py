@@ -1,6 +1,6 @@
 """`rtrl pretrain`: continued pre-training of the default base model on generated agent episodes.
 
-    result = pretrain(PretrainConfig())      # runs/pretrain/checkpoints/step-000250, ..., final
+    result = pretrain(PretrainConfig())      # runs/pretrain/checkpoints/step-0000250, ..., final
     path = ensure_base_model(config)          # the final checkpoint, trained only if not built yet
 
 One loop, top to bottom: build (or load the cached) tokenizer and corpus; build the model; for each
