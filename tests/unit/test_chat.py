@@ -103,6 +103,14 @@ def test_without_tools_any_name_is_accepted():
     assert parsed.ok and parsed.tool_calls[0].function.name == "anything"
 
 
+@pytest.mark.parametrize("name", ['a"b', "two words", "x" * 65, "tab\tname"])
+def test_a_name_no_function_can_have_is_refused_even_without_tools(name):
+    """Rendered back unescaped in every later prompt, a name with a quote broke the JSON of the call."""
+    parsed = parse_assistant(call(json.dumps({"name": name, "arguments": {}})))
+    assert not parsed.ok and parsed.errors[0].kind == "missing_name"
+    assert parse_assistant(call('{"name": "pkg.tool-v2_x", "arguments": {}}')).ok
+
+
 def test_render_then_parse_round_trips_an_assistant_turn():
     msg = ChatMessage.model_validate({"role": "assistant", "content": "Editing.", "tool_calls": [
         {"id": "call_0", "type": "function", "function": {"name": "edit_file",

@@ -70,6 +70,38 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert torch.equal(_logits(load_checkpoint(tmp_path).model), _logits(model))
 
 
+def test_saving_over_a_sharded_checkpoint_loads_what_was_saved(tmp_path):
+    """The index of the sharded checkpoint there before was read first: the old weights came back."""
+    old, new = Qwen3ForCausalLM(tiny_config(moe=True)).eval(), Qwen3ForCausalLM(tiny_config(moe=True)).eval()
+    new.reset_parameters(seed=1)
+    test_sharded_checkpoint_loads(tmp_path)  # a sharded checkpoint of another model
+    save_checkpoint(tmp_path, new)
+    assert not (tmp_path / "model.safetensors.index.json").exists() and not list(tmp_path.glob("model-*"))
+    assert torch.equal(_logits(load_checkpoint(tmp_path).model), _logits(new))
+    assert not torch.equal(_logits(new), _logits(old))
+
+
+def test_expert_tensors_past_the_configs_experts_are_refused(tmp_path):
+    save_checkpoint(tmp_path, Qwen3ForCausalLM(tiny_config(moe=True)))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_experts": cfg["num_experts"] - 2}))
+    with pytest.raises(ValueError, match=rf"experts\.{cfg['num_experts'] - 2}\.\* .*num_experts="):
+        load_checkpoint(tmp_path)  # experts 6 and 7 were dropped silently
+    dense = {k: v for k, v in cfg.items() if k not in ("num_experts", "moe_intermediate_size")}
+    (tmp_path / "config.json").write_text(json.dumps(dense | {"model_type": "qwen3",
+                                                             "architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ValueError, match="num_experts=0"):  # was a RuntimeError from torch.stack
+        load_checkpoint(tmp_path)
+
+
+def test_a_moe_config_without_num_experts_per_tok_routes_as_transformers_does(tmp_path):
+    save_checkpoint(tmp_path, Qwen3ForCausalLM(tiny_config(moe=True)))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["num_experts_per_tok"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_checkpoint(tmp_path).config.num_experts_per_tok == 8  # Qwen3MoeConfig's default (ours: 2)
+
+
 def test_missing_tensor_is_a_clear_error(tmp_path):
     save_checkpoint(tmp_path, Qwen3ForCausalLM(tiny_config(moe=True)))
     tensors = load_file(tmp_path / "model.safetensors")

@@ -34,6 +34,11 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "Done: 日本語 ✓"},
         {"role": "user", "content": "thanks"},
     ],
+    # None content, which ChatMessage allows: ours rendered "", transformers' Jinja raised a TypeError
+    [{"role": "system", "content": None}, {"role": "user", "content": None},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "c", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}]},
+     {"role": "tool", "tool_call_id": "c", "content": None}],
 ]
 
 

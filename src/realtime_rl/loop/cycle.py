@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -60,6 +61,7 @@ from realtime_rl.loop.report import cycle_metrics
 from realtime_rl.loop.state import LoopState
 from realtime_rl.loop.training_data import on_policy_rewards
 from realtime_rl.model import load_checkpoint, save_checkpoint
+from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.monitor import JsonlSink
 from realtime_rl.rewards import (
     Interaction, RewardLedger, Traffic, compare, read_traffic, traffic_interactions,
@@ -400,7 +402,10 @@ class RealtimeLoop:
             steps = max(1, min(steps, len(episodes) // cfg.batch_trajectories))
         history = [trainer.step(chunk) for i in range(steps) if (chunk := episodes[i::steps])]
         out = self.run_dir / "candidates" / f"v-{version:06d}"
-        save_checkpoint(out, trainer.model, trainer.tokenizer)
+        out.parent.mkdir(exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+        save_checkpoint(staging, trainer.model, trainer.tokenizer)
+        publish_directory(staging, out)  # whole and durable before the registry names it
         rewards = [s.reward for s in on_policy]
         metrics = {"train/trajectories": len(episodes), "train/reward_mean": sum(rewards) / len(rewards),
                    "train/steps": len(history),

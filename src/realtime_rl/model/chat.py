@@ -28,6 +28,7 @@ content and tool calls, reporting malformed calls precisely instead of raising o
 from __future__ import annotations
 
 import json
+import re
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,8 @@ from realtime_rl.types import ChatMessage, FunctionCall, ParsedAssistant, ToolCa
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""A tool call's name, as OpenAI's function names (and "."): the renderers write it back unescaped."""
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE]
 
@@ -53,17 +56,17 @@ TOOLS_POSTAMBLE = (
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{%- if messages[0].role == 'system' %}{{- (messages[0].content or '') + '\\n\\n' }}{%- endif %}"
     "{{- " + json.dumps(TOOLS_PREAMBLE) + " }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- " + json.dumps(TOOLS_POSTAMBLE) + " }}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>system\\n' + (messages[0].content or '') + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}"
     "{{- '<|im_start|>assistant' }}"
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
@@ -78,7 +81,7 @@ CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{{- '\\n<tool_response>\\n' + (message.content or '') + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}"
     "{%- endfor %}"
@@ -204,6 +207,9 @@ def _parse_call(index: int, raw: str, schemas: dict[str, dict[str, Any]] | None)
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return error("missing_name", f'tool call {index} has no "name" string')
+    if not TOOL_NAME.fullmatch(name):  # as OpenAI's function names; the renderers write it back unescaped
+        return error("missing_name", f"tool call {index} names {name[:80]!r}: a tool's name is 1 to 64 letters, "
+                                     "digits, '_', '-' or '.'")
     if schemas is not None and name not in schemas:
         known = ", ".join(sorted(schemas)) or "none"
         return error("unknown_tool", f"tool call {index} names unknown tool {name!r} (available: {known})")

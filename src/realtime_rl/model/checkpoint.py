@@ -78,6 +78,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         # transformers' Qwen3MoeConfig defaults, which a config.json may leave out.
         data.setdefault("norm_topk_prob", False)
         data.setdefault("tie_word_embeddings", False)
+        data.setdefault("num_experts_per_tok", 8)  # ours is 2: left out, it routed differently from transformers
     else:
         data["num_experts"] = 0
         data.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
@@ -142,6 +143,11 @@ def hf_to_state_dict(tensors: dict[str, torch.Tensor], config: ModelConfig) -> d
         else:
             state[key] = t
     for prefix, projs in experts.items():
+        extra = sorted({e for got in projs.values() for e in got if e >= config.num_experts})
+        if extra:  # a dense config (num_experts 0) with expert tensors lands here too
+            raise ValueError(f"checkpoint has {prefix}.{extra[0]}.* (and maybe more) but config.json has "
+                             f"num_experts={config.num_experts}: unexpected tensors")
+
         def stack(proj: str, prefix: str = prefix, projs: dict = projs) -> torch.Tensor:
             got = projs.get(proj, {})
             missing = sorted(set(range(config.num_experts)) - set(got))
@@ -295,9 +301,14 @@ def save_checkpoint(
     tokenizer: Tokenizer | None = None,
     generation_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a Hugging Face checkpoint directory; every file is written atomically (temp + rename)."""
+    """Write a Hugging Face checkpoint directory. Every file is written atomically and durably (temp, fsync,
+    rename; the directory fsynced last), and a sharded checkpoint's index and shards there before are removed
+    (the index would win over the new model.safetensors). The set of files is not one atomic change: to give
+    a checkpoint its name only once whole, save to a staging directory and `publish_directory` it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    for stale in [path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)  # the index first: without it, the shards are never read
     tensors = state_dict_to_hf(model)
     dtype = next(iter(tensors.values())).dtype
     config = model.config.model_copy(update={"torch_dtype": _DTYPE_NAMES[dtype]})
@@ -308,6 +319,7 @@ def save_checkpoint(
     fd, tmp = tempfile.mkstemp(dir=path, prefix=".model.safetensors.")
     os.close(fd)
     save_file(tensors, tmp, metadata={"format": "pt"})
+    fsync_path(tmp)
     os.replace(tmp, path / "model.safetensors")
     _write_atomic(path / "config.json", (json.dumps(config_to_hf(config), indent=2) + "\n").encode())
     gen = {"_from_model_config": True, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -316,5 +328,7 @@ def save_checkpoint(
     gen.update(generation_config or {})
     _write_atomic(path / "generation_config.json", (json.dumps(gen, indent=2) + "\n").encode())
     if tokenizer is not None:
-        tokenizer.save(path)
+        for name, data in tokenizer.files().items():
+            _write_atomic(path / name, data)
+    fsync_path(path)
     return path

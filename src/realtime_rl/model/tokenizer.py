@@ -108,11 +108,16 @@ class Tokenizer:
             raise ValueError(f"{path}: no tokenizer.json")
         return cls.from_file(path / "tokenizer.json")
 
+    def files(self) -> dict[str, bytes]:
+        """tokenizer.json and tokenizer_config.json, as save writes them."""
+        return {"tokenizer.json": self.hf.to_str(pretty=True).encode(),
+                "tokenizer_config.json": (json.dumps(self.tokenizer_config(), indent=2) + "\n").encode()}
+
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.hf.save(str(path / "tokenizer.json"))
-        (path / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config(), indent=2) + "\n")
+        for name, data in self.files().items():
+            (path / name).write_bytes(data)
 
     def tokenizer_config(self) -> dict[str, Any]:
         added = {
