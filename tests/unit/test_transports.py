@@ -168,6 +168,28 @@ def test_http_serves_ranges_and_answers_bad_input_with_4xx(http_store):
         HttpTransport(client=client, token="wrong").publish(9, {"delta": b"x"})
 
 
+def test_http_refuses_versions_outside_the_store_and_blobs_past_the_cap(tmp_path, monkeypatch):
+    """Version -5 was stored as '-000000005' (never listed, so never pruned), 10**400 was a 500; a blob had
+    no size limit. An upload is fsynced before it is renamed (a power cut after the commit left empty blobs)."""
+    store = FilesystemTransport(tmp_path)
+    client = TestClient(create_weights_app(store, write_token="s3cret", max_blob_bytes=1000))
+    writer, upload = {"Authorization": "Bearer s3cret"}, {"upload": "0" * 32}
+    for version in ("-5", str(10**400), str(10**10)):
+        assert client.put(f"/weights/{version}/delta", params=upload, content=b"x", headers=writer).status_code == 422
+        assert client.get(f"/weights/{version}/delta").status_code == 422
+        assert client.post(f"/weights/{version}/commit", json={**upload, "kinds": ["delta"]},
+                           headers=writer).status_code == 422
+    r = client.put("/weights/3/snapshot", params=upload, content=b"x" * 1001, headers=writer)
+    assert r.status_code == 413 and "max_blob_bytes" in r.json()["detail"]
+    assert not list(tmp_path.glob(".upload-*/*"))  # no half blob stays behind
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+    assert client.put("/weights/3/delta", params=upload, content=b"x" * 1000, headers=writer).status_code == 204
+    assert any(path.endswith("delta.rtw.part") for path in synced), synced
+    r = client.post("/weights/3/commit", json={**upload, "kinds": ["delta"]}, headers=writer)
+    assert r.status_code == 201 and store.fetch(3, "delta") == b"x" * 1000
+
+
 def test_http_publish_commits_only_the_blobs_it_uploaded(http_store, tmp_path):
     """A publisher that died between its uploads and its commit left blobs in staging: a retry of the version
     publishes exactly what it sent, never the aborted attempt's snapshot of other weights."""

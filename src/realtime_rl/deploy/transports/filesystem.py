@@ -82,7 +82,8 @@ class FilesystemTransport(WeightTransport):
     def __init__(self, root: str | os.PathLike, timeout_s: float = 60.0) -> None:
         self.root = Path(root)
         self.timeout_s = timeout_s
-        self.root.mkdir(parents=True, exist_ok=True)
+        # Bounded like every call: a hung share fails here, in timeout_s, instead of blocking forever.
+        with_timeout(lambda: self.root.mkdir(parents=True, exist_ok=True), timeout_s, f"creating {self.root}")
         try:
             with_timeout(self.sweep, timeout_s, f"sweeping {self.root}")
         except (TransportError, OSError) as exc:  # a failing share: the next open tries again
@@ -117,10 +118,10 @@ class FilesystemTransport(WeightTransport):
 
     def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
         check_blobs(version, blobs)
-        if self.version_dir(version).exists():
-            raise AlreadyPublished(f"version {version} is already published in {self.root}")
 
         def write() -> None:
+            if self.version_dir(version).exists():  # inside the timeout (commit's rename refuses it anyway)
+                raise AlreadyPublished(f"version {version} is already published in {self.root}")
             staging = self.staging_dir()
             try:
                 for kind, data in blobs.items():

@@ -37,6 +37,8 @@ from typing import Annotated, BinaryIO, Literal
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Path as PathParam
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -48,6 +50,10 @@ from realtime_rl.deploy.transports.filesystem import SUFFIX, FilesystemTransport
 Kind = Literal["delta", "snapshot"]
 UPLOAD_ID = r"^[0-9a-f]{16,64}$"
 UploadId = Annotated[str, Query(pattern=UPLOAD_ID, description="one publish attempt's staging (hex)")]
+Version = Annotated[int, PathParam(ge=0, lt=10**10, description="a store version (its directory: 10 digits)")]
+MAX_BLOB_BYTES = 64 << 30
+"""The largest blob a PUT takes (413 past it): a snapshot of a model bigger than ~30B parameters in bf16 needs
+more (weights_router's max_blob_bytes)."""
 
 
 class VersionsPublic(BaseModel):
@@ -67,7 +73,7 @@ UPLOAD_TTL_S = 3600.0
 
 
 def weights_router(store: FilesystemTransport, write_token: str | None = None,
-                   upload_ttl_s: float = UPLOAD_TTL_S) -> APIRouter:
+                   upload_ttl_s: float = UPLOAD_TTL_S, max_blob_bytes: int = MAX_BLOB_BYTES) -> APIRouter:
     router = APIRouter(prefix="/weights", tags=["weights"])
 
     def require_writer(authorization: Annotated[str | None, Header()] = None) -> None:
@@ -97,7 +103,7 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None,
             raise HTTPException(503, str(exc)) from exc
 
     @router.get("/{version}/{kind}")
-    def blob(version: int, kind: Kind,
+    def blob(version: Version, kind: Kind,
              range_: Annotated[str | None, Header(alias="range")] = None) -> StreamingResponse:
         # Served from a handle opened before answering: a version pruned after this still reads whole, and
         # one pruned before is a 404 (FileResponse opens the path only after sending its 200).
@@ -120,19 +126,40 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None,
         return StreamingResponse(read_span(f, start, end), status, headers, media_type="application/octet-stream")
 
     @router.put("/{version}/{kind}", status_code=204, dependencies=writer)
-    async def upload(version: int, kind: Kind, upload: UploadId, request: Request) -> None:
-        if store.version_dir(version).exists():
-            raise HTTPException(409, f"version {version} is already published")
+    async def upload(version: Version, kind: Kind, upload: UploadId, request: Request) -> None:
+        # The file work runs in threads: a mounted router must not stall its app's event loop on a slow disk.
         folder = upload_dir(version, upload)
-        drop_abandoned_uploads(keep=folder)
-        folder.mkdir(exist_ok=True)
-        with open(folder / f"{kind}{SUFFIX}.part", "wb") as f:
+        part, blob = folder / f"{kind}{SUFFIX}.part", folder / f"{kind}{SUFFIX}"
+
+        def open_part() -> BinaryIO:
+            if store.version_dir(version).exists():
+                raise HTTPException(409, f"version {version} is already published")
+            drop_abandoned_uploads(keep=folder)
+            folder.mkdir(exist_ok=True)
+            return open(part, "wb")
+
+        def finish(f: BinaryIO) -> None:  # durable before the commit names it (a power cut left empty blobs)
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            part.rename(blob)
+
+        f = await run_in_threadpool(open_part)
+        try:
+            size = 0
             async for chunk in request.stream():
-                f.write(chunk)
-        (folder / f"{kind}{SUFFIX}.part").rename(folder / f"{kind}{SUFFIX}")
+                size += len(chunk)
+                if size > max_blob_bytes:
+                    raise HTTPException(413, f"a blob is at most {max_blob_bytes} bytes here (max_blob_bytes)")
+                await run_in_threadpool(f.write, chunk)
+            await run_in_threadpool(finish, f)
+        finally:
+            if not f.closed:  # refused or broken off: no half blob stays behind
+                f.close()
+                part.unlink(missing_ok=True)
 
     @router.post("/{version}/commit", status_code=201, dependencies=writer)
-    def commit(version: int, body: CommitCreate) -> VersionsPublic:
+    def commit(version: Version, body: CommitCreate) -> VersionsPublic:
         if store.version_dir(version).exists():
             drop_uploads(version)
             raise HTTPException(409, f"version {version} is already published")
@@ -156,7 +183,7 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None,
         return VersionsPublic(versions={version: store.versions().get(version, [])})
 
     @router.delete("/{version}", status_code=204, dependencies=writer)
-    def delete(version: int) -> None:
+    def delete(version: Version) -> None:
         store.remove(version)
 
     return router
@@ -175,9 +202,9 @@ def read_span(f: BinaryIO, start: int, end: int, chunk_size: int = 1 << 20) -> I
 
 
 def create_weights_app(store: FilesystemTransport, write_token: str | None = None,
-                       upload_ttl_s: float = UPLOAD_TTL_S) -> FastAPI:
+                       upload_ttl_s: float = UPLOAD_TTL_S, max_blob_bytes: int = MAX_BLOB_BYTES) -> FastAPI:
     app = FastAPI(title="realtime-rl weights")
-    app.include_router(weights_router(store, write_token, upload_ttl_s))
+    app.include_router(weights_router(store, write_token, upload_ttl_s, max_blob_bytes))
     return app
 
 
