@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import uvicorn
 
 from realtime_rl.deploy import (
-    FilesystemTransport, HttpTransport, WeightPublisher, WeightSubscriber, WeightSyncError,
+    FilesystemTransport, HttpTransport, TransportError, WeightPublisher, WeightSubscriber, WeightSyncError,
     create_weights_app,
 )
 from realtime_rl.engine import Engine, SamplingParams
@@ -167,6 +167,33 @@ def test_a_subscriber_prefers_the_chain_and_jumps_to_a_snapshot_when_it_is_too_l
     assert sub.poll() == 9
     assert fetched == [(8, "snapshot"), (9, "delta")]
     assert sub.state.digests == publisher.last.digests
+
+
+def test_a_subscriber_too_far_behind_with_no_snapshot_to_jump_to_follows_the_chain(tmp_path):
+    """It gave up ("more than max_chain") and stayed on its version until the next snapshot."""
+    trainer, transport, publisher = publish_versions(tmp_path, 3, snapshot_every=100)
+    sub = WeightSubscriber(transport)
+    assert sub.poll() == 2
+    for v in range(3, 8):
+        trainer.step()
+        publisher.publish(trainer.params(), v)
+    sub.max_chain = 3
+    assert sub.poll() == 7 and sub.state.digests == publisher.last.digests
+
+
+def test_a_subscriber_that_keeps_failing_backs_off(monkeypatch):
+    class Failing:
+        calls: list[float] = []
+
+        def versions(self):
+            Failing.calls.append(time.monotonic())
+            raise TransportError("the store is down")
+
+    stop = threading.Event()
+    threading.Timer(1.6, stop.set).start()
+    WeightSubscriber(Failing()).run(stop, interval_s=0.1)
+    gaps = [b - a for a, b in zip(Failing.calls, Failing.calls[1:])]
+    assert len(Failing.calls) <= 6 and all(later > earlier for earlier, later in zip(gaps, gaps[1:]))  # 0.2, 0.4, ...
 
 
 def free_port() -> int:

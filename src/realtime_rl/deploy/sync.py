@@ -47,6 +47,8 @@ from realtime_rl.deploy.delta import (
 from realtime_rl.deploy.transports.base import MissingBlob, TransportError, WeightTransport
 
 log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 60.0
+"""WeightSubscriber.run doubles its wait after each failed poll, up to this (reset by a poll that succeeds)."""
 
 
 class WeightSyncError(RuntimeError):
@@ -167,11 +169,12 @@ class WeightSubscriber:
             return None
         current = self.state
         problems: list[str] = []
-        reached = None
+        reached, chain = None, []
         if current is not None:
             chain = [v for v in sorted(available) if v > current.version]
             if len(chain) <= self.max_chain:
                 reached = self._follow(current, chain, problems)
+                chain = []
             else:
                 problems.append(f"{len(chain)} versions behind, more than max_chain={self.max_chain}")
         if reached is None or reached.version < latest:
@@ -182,6 +185,8 @@ class WeightSubscriber:
                 if start is not None:
                     reached = self._follow(start, [v for v in sorted(available) if v > s], problems) or start
                     break
+        if reached is None and chain:  # too long, and no snapshot to jump to: the long way, delta by delta
+            reached = self._follow(current, chain, problems)
         if reached is None:
             raise WeightSyncError(f"cannot move from version {self.version} to {latest}; the weights serving "
                                   f"did not change: {'; '.join(problems) or 'no snapshot to start from'}")
@@ -218,11 +223,15 @@ class WeightSubscriber:
         """Poll until `stop` is set; faults are logged and retried at the next interval. Anything else is logged
         with its traceback and retried too: a follower that died would leave its engine serving stale weights,
         every later promotion and rollback published and never served."""
+        wait = interval_s
         while not stop.is_set():
             try:
                 self.poll()
+                wait = interval_s
             except (WeightSyncError, TransportError) as exc:
                 log.warning("weight sync: %s", exc)
+                wait = min(2 * wait, max(interval_s, MAX_BACKOFF_S))  # a store or apply that keeps failing
             except Exception:
-                log.exception("weight sync: unexpected error; retrying at the next interval")
-            stop.wait(interval_s)
+                log.exception("weight sync: unexpected error; retrying")
+                wait = min(2 * wait, max(interval_s, MAX_BACKOFF_S))
+            stop.wait(wait)
