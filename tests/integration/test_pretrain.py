@@ -4,6 +4,7 @@ from the same config, and the held-out eval runs a checkpoint through the agent 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -82,6 +83,28 @@ def test_loss_falls(tmp_path):
 
     with torch.no_grad():
         assert loss(trained) < 0.7 * loss(fresh)
+
+
+def test_a_non_finite_gradient_skips_its_update_and_a_run_of_them_stops_as_diverged(tmp_path, monkeypatch):
+    """One inf or NaN gradient stepped into the weights made every later checkpoint NaN (and the default base
+    handed to RL with it)."""
+    module = importlib.import_module("realtime_rl.train.pretrain")  # the package's `pretrain` is the function
+
+    real, calls = module.masked_next_token_loss, []
+
+    def sometimes_nan(*args, **kwargs):
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if poisoned(len(calls)) else loss
+
+    monkeypatch.setattr(module, "masked_next_token_loss", sometimes_nan)
+    poisoned = lambda n: n in (3, 4)  # noqa: E731 (a step or two in the middle)
+    result = pretrain(tiny(tmp_path / "once"), show_progress=False)
+    weights = load_file(Path(result["checkpoint"]) / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    poisoned = lambda n: True  # noqa: E731
+    with pytest.raises(RuntimeError, match="diverged: 10 steps in a row"):
+        pretrain(tiny(tmp_path / "always"), show_progress=False)
 
 
 @pytest.mark.parametrize("processes", [1, 2])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -57,11 +58,23 @@ def _check_run(run_dir: Path, summary: dict, steps: int, max_staleness: int) -> 
     assert all("rollout/engine_busy" in line["metrics"] for line in lines)
 
 
-def test_local_pipeline_trains_within_the_staleness_bound(tmp_path, tiny_checkpoint):
+def test_local_pipeline_trains_within_the_staleness_bound(tmp_path, tiny_checkpoint, monkeypatch):
     # One group queued beyond the two the worker's 4 episodes in flight run: its episodes wait for a free thread.
     config = _config(tmp_path / "run", tiny_checkpoint, queued_groups=1)
     assert groups_per_worker(config.rollout, config.rl.group_size) == 3
+    # Every message a worker sends fits in PIPE_BUF, so a worker killed mid-send cannot leave half a message
+    # on the shared pipe (the trainer's next read then waited forever for the rest): groups come as files.
+    sizes, get = [], LocalBackend._get
+
+    def measured(self, timeout_s):
+        message = get(self, timeout_s)
+        if message is not None:
+            sizes.append((message[0], len(pickle.dumps(message))))
+        return message
+
+    monkeypatch.setattr(LocalBackend, "_get", measured)
     summary = train(config, show_progress=False)
+    assert {"ready", "group"} <= {kind for kind, _ in sizes} and max(n for _, n in sizes) < 4096, sizes
     _check_run(tmp_path / "run", summary, steps=3, max_staleness=1)
     assert summary["dropped_stale_groups"] == 0
     for h in summary["history"]:

@@ -527,6 +527,10 @@ def test_bad_episodes_and_settings_are_refused_before_any_weight_changes(tmp_pat
     # every step a resume retried.
     refused(lambda es: setattr(es[4].segments[0], "routing", es[4].segments[0].routing[:, :, :1]), "not \\[tokens")
     refused(lambda es: setattr(es[4].segments[0], "routing", es[4].segments[0].routing[:, :1]), "MoE layers")
+    # A token past the vocabulary (an IndexError in the embedding; a device assert on CUDA): it passed, was
+    # logged, and failed every resume's step.
+    vocab = trainer.model.config.vocab_size
+    refused(lambda es: es[1].segments[0].token_ids.__setitem__(3, vocab), f"outside the vocabulary 0..{vocab - 1}")
     assert trainer.version == 0 and all(torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
     with pytest.raises(ValueError, match="needs a reference model"):
         RLTrainer(_model(), None, RLConfig(kl_coef=0.1), tmp_path / "kl")

@@ -123,8 +123,13 @@ class TrajectoryLog:
     record of each; `tasks_handed_out`: the admission counter of tasks and sampling seeds."""
 
     def __init__(self, root: Path) -> None:
+        """Opened by the one trainer of a run (under run_dir's lock): a temporary file in it is what a kill
+        during a write left (a whole group's bytes each, piling up over kills), and is removed."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob(".*"):  # write_durably's temporaries: ".<name>.<random>"
+            if leftover.is_file():
+                leftover.unlink(missing_ok=True)
 
     def append(self, group: list[Episode]) -> None:
         buf = io.BytesIO()

@@ -1,8 +1,12 @@
 """Rollout workers as local processes (multiprocessing, spawn): one engine and sandbox pool each.
 
 Messages are plain tuples on multiprocessing queues: to a worker ("weights", version), ("job", GroupJob),
-("stop",); from a worker ("ready", wid), ("group", wid, group_id, [episode bytes], report), ("error", wid,
-text), where report is RolloutWorker.report() (tokens so far, engine stats). Episodes travel as episode_to_bytes blobs (no pickle of our objects across the boundary).
+("stop",); from a worker ("ready", wid), ("group", wid, group_id, path, report), ("error", wid, text), where
+report is RolloutWorker.report() (tokens so far, engine stats). A group's episodes travel as episode_to_bytes
+blobs (no pickle of our objects across the boundary) in a file of the worker's scratch directory, whose path
+the message carries: every message a worker sends stays under PIPE_BUF, so it reaches the shared pipe whole or
+not at all. (A group's megabytes on the pipe itself could be cut off by a worker killed mid-send, and the
+trainer's next read then blocked for good on the rest of a message nobody would write.)
 Weights travel through the weight-sync path of `realtime_rl.deploy`: the trainer's WeightPublisher
 writes a verified lossless delta (and periodic snapshots) into run_dir/weights on the filesystem
 transport; each worker's WeightSubscriber follows the chain and hands the rebuilt state to its
@@ -35,6 +39,39 @@ from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
 
+MESSAGE_TEXT = 2048
+"""The most characters of a traceback a message carries (its end: where it was raised): with the rest of the
+pickled message it stays under PIPE_BUF (4096 bytes on Linux), the size a pipe writes atomically."""
+
+
+def short(text: str) -> str:
+    return text if len(text) <= MESSAGE_TEXT else "...\n" + text[-MESSAGE_TEXT:]
+
+
+def write_blobs(path: Path, blobs: list[bytes]) -> Path:
+    """Length-prefixed blobs in one file, renamed into place whole."""
+    staging = path.with_name(f".{path.name}.part")
+    with open(staging, "wb") as f:
+        for blob in blobs:
+            f.write(len(blob).to_bytes(8, "big"))
+            f.write(blob)
+    os.replace(staging, path)
+    return path
+
+
+def read_blobs(path: Path) -> list[bytes]:
+    """What write_blobs wrote; the file is removed."""
+    data, blobs, at = path.read_bytes(), [], 0
+    path.unlink()
+    while at < len(data):
+        size = int.from_bytes(data[at:at + 8], "big")
+        blobs.append(data[at + 8:at + 8 + size])
+        at += 8 + size
+    if at != len(data):
+        raise RuntimeError(f"{path}: a group file cut short ({len(data)} bytes)")
+    return blobs
+
+
 def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: RolloutConfig, worker_id: int,
                  seed: int, group_size: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
     tempfile.tempdir = os.environ["TMPDIR"] = scratch  # its work and sandbox directories, removed with it
@@ -43,17 +80,17 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: Ro
         subscriber = WeightSubscriber(FilesystemTransport(weights_dir, timeout_s=config.timeout_s),
                                       apply=worker.set_weights)
     except BaseException:  # report why, then die: the orchestrator raises with this text
-        outbox.put(("error", worker_id, traceback.format_exc()))
+        outbox.put(("error", worker_id, short(traceback.format_exc())))
         return
     groups = ThreadPoolExecutor(groups_per_worker(config, group_size), thread_name_prefix=f"group-{worker_id}")
 
     def run(job: GroupJob) -> None:
         try:
             episodes = worker.run_group(job)
-            outbox.put(("group", worker_id, job.group_id, [episode_to_bytes(e) for e in episodes],
-                        worker.report()))
+            path = write_blobs(Path(scratch) / f"group-{job.group_id}.bin", [episode_to_bytes(e) for e in episodes])
+            outbox.put(("group", worker_id, job.group_id, str(path), worker.report()))
         except BaseException:
-            outbox.put(("error", worker_id, traceback.format_exc()))
+            outbox.put(("error", worker_id, short(traceback.format_exc())))
 
     outbox.put(("ready", worker_id))
     orphaned = False
@@ -73,7 +110,7 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: Ro
                 try:
                     subscriber.poll()  # verified and rebuilt beside the live weights, then swapped in
                 except BaseException:
-                    outbox.put(("error", worker_id, traceback.format_exc()))
+                    outbox.put(("error", worker_id, short(traceback.format_exc())))
             elif message[0] == "job":
                 groups.submit(run, message[1])
     finally:
@@ -137,11 +174,11 @@ class LocalBackend(RolloutBackend):
         message = self._get(timeout_s)
         while message is not None:
             if message[0] == "group":
-                _, wid, group_id, blobs, report = message
+                _, wid, group_id, path, report = message
                 self._load[wid] -= 1
                 self._jobs.pop(group_id, None)
                 self._reports[wid] = report
-                out.append([episode_from_bytes(b) for b in blobs])
+                out.append([episode_from_bytes(b) for b in read_blobs(Path(path))])
             message = self._get(0)
         return out
 

@@ -110,7 +110,11 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
         bad group, say a non-finite logprob, must not end the run, nor every resume of it). When every group is
         refused (REFUSED_STEPS steps' worth in a row) the cause is the setup, not a group: the run stops."""
         nonlocal rejected, in_a_row
-        why = next((r for e in group if (r := trainer.refusal(e)) is not None), None)
+        ids, gid = [e.episode_id for e in group], group[0].group_id
+        why = (f"group {gid} has {len(group)} episodes, not group_size {size}" if len(group) != size
+               else f"group {gid} holds episodes of other groups" if any(e.group_id != gid for e in group)
+               else f"group {gid} repeats an episode id" if len(set(ids)) != len(ids)
+               else next((r for e in group if (r := trainer.refusal(e)) is not None), None))
         if why is None:
             in_a_row = 0
             return True

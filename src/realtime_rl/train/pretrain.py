@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import random
 import tempfile
@@ -71,6 +72,9 @@ CORPUS_FIELDS = ("seed", "num_tasks", "episode_fraction", "max_difficulty", "exp
 RUN_ONLY_FIELDS = {"run_dir", "resume", "threads", "processes", "log_every", "checkpoint_every"}
 """Fields that do not change the weights a run ends with (threads and processes: up to the order of float sums)."""
 MAX_AUTO_PROCESSES = 4
+MAX_NONFINITE_STEPS = 10
+"""Steps in a row with a non-finite gradient (each skipped) after which pre-training stops as diverged."""
+logger = logging.getLogger(__name__)
 """`processes = None` runs one process per CPU, at most this many (a step's 16 documents, 4 each)."""
 LATER_FIELDS = {"reserve_structures": False, "difficulty_weights": None, "exclude_heldout_parts": False}
 """Fields added after bases were cached, with the value that builds what came before them: hashed only at
@@ -278,6 +282,7 @@ def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], r
     with contextlib.closing(sink), Progress(*columns, disable=not (show_progress and lead)) as progress:
         bar = progress.add_task("pretrain", total=config.steps, completed=start_step, info="")
         window_steps, window_tokens, window_loss, window_t0 = 0, 0, 0.0, time.perf_counter()
+        nonfinite_in_a_row = 0
         for step in range(start_step, config.steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, config)
@@ -295,7 +300,15 @@ def _train(config: PretrainConfig, tokenizer: Tokenizer, docs: list[Document], r
             if world > 1:
                 step_loss = sum_gradients(params, step_loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            optimizer.step()
+            if torch.isfinite(grad_norm):  # the same on every rank: the gradients were summed
+                optimizer.step()
+                nonfinite_in_a_row = 0
+            else:  # one inf or NaN stepped into the weights made every later checkpoint NaN
+                nonfinite_in_a_row += 1
+                logger.warning("step %d: gradient norm %s; the update is skipped", step + 1, grad_norm.item())
+                if nonfinite_in_a_row >= MAX_NONFINITE_STEPS:
+                    raise RuntimeError(f"pre-training diverged: {nonfinite_in_a_row} steps in a row had a non-finite "
+                                       f"gradient (step {step + 1}); lower lr or check the data")
             window_loss += step_loss
             window_steps += 1
             window_tokens += sum(len(docs[i].token_ids) - prefix_len for i in rows)

@@ -208,6 +208,9 @@ class RLTrainer:
             return str(e)
         if not math.isfinite(reward):
             return f"episode {episode.episode_id} has reward {reward}"
+        V = self.model.config.vocab_size  # an id past it fails in the embedding (a device assert on CUDA)
+        if any(s.token_ids.size and (s.token_ids.min() < 0 or s.token_ids.max() >= V) for s in episode.segments):
+            return f"episode {episode.episode_id} has a token id outside the vocabulary 0..{V - 1}"
         trained = [s for s in episode.segments if s.loss_mask.any()]
         if not all(np.isfinite(s.logprobs[s.loss_mask]).all() for s in trained):
             return f"episode {episode.episode_id} has a non-finite behaviour logprob"
