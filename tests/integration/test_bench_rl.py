@@ -4,14 +4,18 @@ model, a few RL steps); the figures of the real runs live in benchmarks/BENCHMAR
 from __future__ import annotations
 
 import pytest
+import torch
 
 from realtime_rl.bench import run_benchmark
 
 
 @pytest.mark.slow
 def test_bench_learn_quick():
+    threads = torch.get_num_threads()
     result = run_benchmark("learn", quick=True, overrides=["rl.lr_decay_steps=1"])
-    assert result["overrides"] == ["rl.lr_decay_steps=1"]
+    assert result["overrides"] == ["rl.lr_decay_steps=1"] and result["quick"] is True
+    # the run's threads, not those the recipe's train() left behind (1); evaluations after it run with them too
+    assert result["env"]["torch_threads"] == threads == torch.get_num_threads()
     m = result["metrics"]
     assert m["rl_steps"] == 2 and m["eval_tasks"] == m["eval_tasks_train_structures"] == 4
     assert 0.0 <= m["base_pass_at_1"] <= 1.0 and 0.0 <= m["rl_pass_at_1"] <= 1.0
@@ -88,6 +92,8 @@ def test_recipe_overrides_come_after_the_quick_sizes(tmp_path, monkeypatch):
 def test_bench_async_quick():
     m = run_benchmark("async", quick=True)["metrics"]
     assert m["steps"] == 2 and m["sync_minutes"] > 0 and m["async_minutes"] > 0
+    assert m["episodes_in_flight_total"] == m["episodes_in_flight"] * m["rollout_workers"]
+    assert m["async_groups_in_flight_max"] == (m["max_staleness_async"] + 1) * m["sync_groups_in_flight_max"]
     assert m["speedup"] == pytest.approx(m["sync_minutes"] / m["async_minutes"])
     assert m["sync_trainer_step_s"] > 0 and m["async_trainer_step_s"] > 0
     assert m["trainer_device"] == m["rollout_device"] == "cpu float32" and m["rollout_workers"] == 1

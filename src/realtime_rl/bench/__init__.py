@@ -84,5 +84,7 @@ def run_benchmark(name: str, quick: bool = False, overrides: list[str] | None = 
                          f"(it applies to {', '.join(RECIPE_BENCHMARKS)})")
     module = importlib.import_module(f"realtime_rl.bench.{name.replace('-', '_')}")
     recipe = {"overrides": overrides} if name in RECIPE_BENCHMARKS else {}
+    env = environment()  # before the run: a recipe's train() sets the process's torch threads
     metrics = module.run(quick=quick, **recipe)
-    return {"name": name, "metrics": metrics, "overrides": overrides, "env": environment()}
+    # "quick": a --quick run takes fewer samples (and a smoke base) under the same keys as a full one
+    return {"name": name, "quick": quick, "metrics": metrics, "overrides": overrides, "env": env}

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from realtime_rl.bench.learn import base_and_recipe
 from realtime_rl.rollout import train
 from realtime_rl.train.base_eval import heldout_pass_at_1
@@ -50,7 +52,9 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
                 "run_dir": Path(tmp) / mode, "steps": steps, "max_staleness": staleness, "max_minutes": None,
                 "rollout": config.rollout.model_copy(update={"tool_latency_s": latency,
                                                              "episodes_in_flight": in_flight})})
+            threads = torch.get_num_threads()
             summary = train(cfg, show_progress=not quick)
+            torch.set_num_threads(threads)  # train() sets the recipe's: both evaluations run alike
             evaluation = heldout_pass_at_1(summary["checkpoint"], num_tasks=eval_tasks,
                                            max_difficulty=config.rollout.max_difficulty)
             results[mode] = {**summary, "pass_at_1": evaluation["pass_at_1"]}
@@ -82,7 +86,12 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         # prefilling, tools or grading bounds sampling.
         **{f"{mode}_{k}": v for mode, r in (("sync", sync), ("async", asyn)) for k, v in r["rollout"].items()},
         "tool_latency_s": latency,
-        "episodes_in_flight": in_flight,
+        "episodes_in_flight": in_flight,  # per rollout worker (rollout.episodes_in_flight)
+        "episodes_in_flight_total": in_flight * config.rollout.workers,
+        # A group runs on one worker, and staleness 0 admits one step's groups at a time: with more workers than
+        # groups_per_step the synchronous run leaves the rest idle, and part of the speedup is those workers.
+        "sync_groups_in_flight_max": config.rl.groups_per_step,
+        "async_groups_in_flight_max": (bound + 1) * config.rl.groups_per_step,
         "eval_tasks": eval_tasks,
         "rollout_workers": config.rollout.workers,
         "trainer_device": f"{config.rl.device} {config.rl.dtype}",

@@ -125,9 +125,12 @@ def agent_decode_ms(model: Qwen3ForCausalLM, repeats: int, rows: int = 96, conte
     lengths = torch.randint(context[0], context[1], (rows,), generator=g).tolist()
     tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=g).tolist()
     positions, slots = [n - 1 for n in lengths], list(range(rows))
-    ids = torch.tensor(tokens, device=engine.device)[:, None]
-    pos = torch.tensor(positions, device=engine.device)[:, None]
-    slots_t = torch.tensor(slots, device=engine.device)
+
+    def eager_step() -> torch.Tensor:  # from the host's lists, as a step builds its inputs and as graphs.run does
+        ids = torch.tensor(tokens, device=engine.device)[:, None]
+        pos = torch.tensor(positions, device=engine.device)[:, None]
+        slots_t = torch.tensor(slots, device=engine.device)
+        return engine._last_logits(ids, pos, slots_t, max(lengths))
 
     def timed(step) -> float:
         torch.cuda.synchronize()
@@ -138,7 +141,7 @@ def agent_decode_ms(model: Qwen3ForCausalLM, repeats: int, rows: int = 96, conte
         return (time.perf_counter() - t0) / steps * 1e3
 
     with torch.no_grad():
-        eager = lambda: engine._last_logits(ids, pos, slots_t, max(lengths))  # noqa: E731
+        eager = eager_step
         graphed = lambda: engine.graphs.run(tokens, positions, slots)  # noqa: E731
         eager(), graphed()  # warm-up, and the graph's capture
         runs = {"eager": [], "graphs": []}

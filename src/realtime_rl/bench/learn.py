@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from statsmodels.stats.contingency_tables import mcnemar
 
 from realtime_rl.config import ModelConfig, PretrainConfig, TokenizerTrainConfig, TrainConfig, load_config
@@ -206,7 +207,9 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
                                    agent=EVAL_AGENT.model_copy(update={"temperature": 0.0}))
         before_train = (heldout_pass_at_1(base, num_train, difficulty, agent=agent, **unseen)
                         if unseen else None)
+        threads = torch.get_num_threads()
         summary = train(config, show_progress=not quick)
+        torch.set_num_threads(threads)  # train() sets the recipe's: the evaluations after run as those before
         after = heldout_pass_at_1(summary["checkpoint"], num_tasks=num_tasks, max_difficulty=difficulty,
                                   agent=agent)
         after_train = (heldout_pass_at_1(summary["checkpoint"], num_train, difficulty, agent=agent, **unseen)

@@ -186,6 +186,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     with Bait(sandbox) as bait:
         attempts = run_battery(sandbox, bait)
     return {
+        "n_cold": n_cold, "n_warm": n_warm, "throughput_s": throughput_s,
         "isolation_level": sandbox.isolation_level.value,
         "isolation_label": sandbox.isolation_label,
         "cold_p50_ms": _ms(cold, 0.5),

@@ -183,10 +183,12 @@ def monotone(curve: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def per_step(ours_pass_rates: Sequence[float], trl_pass_rates: Sequence[float]) -> dict[str, Any]:
-    """Ours' step i against TRL's step i: both sample the same 4 tasks at step i (the same stream), so the
+    """Ours' step i against TRL's step i: both draw from the same task stream, 4 tasks a step, so the
     difference of their on-policy pass rates, averaged over the steps both took, with its 95% t-interval,
-    says whether one learns more per step. The snapshots' crossing reads minutes off 500-task evaluations
-    (+-4.4 points each); this reads every step's 32 replies."""
+    says whether one learns more per step. Paired by step, not by task: TRL's step i is tasks 4i..4i+3, while
+    ours (asynchronous) trains on the groups that finished first, which may include the next step's, and a
+    group dropped as too stale moves its stream on by one task (`ours_dropped_stale_groups`). The snapshots'
+    crossing reads minutes off 500-task evaluations (+-4.4 points each); this reads every step's 32 replies."""
     n = min(len(ours_pass_rates), len(trl_pass_rates))
     if n < 2:
         return {"steps": n, "mean": None, "ci95": None}
@@ -306,7 +308,7 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
             "step_minutes": minutes, "pass_rates": [m["train/pass_rate"] for m in history],
             "trainer_idle_fraction": summary["trainer_idle_fraction"],
             "rollout_tokens_per_s": summary["rollout_tokens_per_s"], "max_staleness": config.max_staleness,
-            "rollout_workers": config.rollout.workers}
+            "rollout_workers": config.rollout.workers, "dropped_stale_groups": summary["dropped_stale_groups"]}
 
 
 # ------------------------------------------------------------------------------------------- TRL
@@ -487,5 +489,6 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "trl_step_minutes": trl["step_minutes"],
         "ours_trainer_idle_fraction": ours["trainer_idle_fraction"],
         "ours_max_staleness": ours["max_staleness"],
+        "ours_dropped_stale_groups": ours["dropped_stale_groups"],
         "ours_rollout_workers": ours["rollout_workers"],
     }
