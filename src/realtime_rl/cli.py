@@ -46,7 +46,8 @@ def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rtrl", description="realtime-rl: RL from the people who use your agent.")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the most complete end-to-end job on embedded defaults")
@@ -169,6 +170,10 @@ def _run(args: argparse.Namespace) -> int:
 
         summary = run_simulated_users(config)
         print(json.dumps(summary, indent=2))
+        if not summary["completions"]:  # nothing answered: a wrong URL or key, or a gateway down
+            print(f"rtrl: error: no completion in {summary['sessions']} sessions ({summary['errors']} errors); "
+                  f"is the gateway at {config.base_url} up, and the key right?", file=sys.stderr)
+            return 1
         return 0
     if args.command == "bench":
         from realtime_rl.bench import run_benchmark
@@ -187,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from realtime_rl.monitor import setup_logging
 
-    setup_logging(args.log_level)
     try:
+        setup_logging(args.log_level)
         return _run(args)
     except ModuleNotFoundError as e:
         print(f"rtrl: error: {e.name} is not installed; install the dev extra: pip install -e '.[dev]'",
               file=sys.stderr)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+    except (ValueError, OSError) as e:  # a bad value, or a path that cannot be read or written
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"rtrl: error: {first_line}", file=sys.stderr)
     except KeyboardInterrupt:

@@ -112,16 +112,28 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict[str, An
             "store": "sqlite", "store_dir": serve_dir, "seed": config.seed})
         users_config = config.users.model_copy(update={
             "base_url": url, "api_key": users_key.key, "tasks_dir": run_dir / "user-tasks", "seed": config.seed})
+        failed: list[BaseException] = []
+
+        def simulate() -> None:  # a failure of the users is the demo's (the loop ran on no traffic, exit 0)
+            try:
+                run_simulated_users(users_config, Console(quiet=True), stop=stop, progress=False)
+            except BaseException as e:
+                failed.append(e)
+                stop.set()
+
         with RealtimeLoop(loop_config, console) as loop:
-            users = threading.Thread(target=run_simulated_users, args=(users_config, Console(quiet=True)),
-                                     kwargs={"stop": stop, "progress": False}, name="rtrl-users", daemon=True)
+            users = threading.Thread(target=simulate, name="rtrl-users", daemon=True)
             users.start()
             try:
-                reports = loop.run()
+                reports = loop.run(stop)
                 progress = loop.progress()
             finally:
                 stop.set()
                 users.join(120)
+        if failed:
+            raise RuntimeError(f"the simulated users failed: {failed[0]!r}") from failed[0]
+        if users.is_alive():
+            raise RuntimeError("the simulated users did not stop within 120 s of the loop's end")
     report_path = write_report(loop_dir)
 
     table = Table(title="rtrl demo: the real-time loop, cycle by cycle (traffic of each window, by served version)")

@@ -213,6 +213,8 @@ def test_the_admin_api_changes_the_split_and_a_restart_keeps_it(tmp_path, tokeni
         for bad, param in [({"candidate_fraction": 1.5}, "candidate_fraction"),
                            ({"candidate_fraction": -0.1}, "candidate_fraction"),
                            ({"candidate_fraction": "half"}, "candidate_fraction"),
+                           ({"candidate_fraction": True}, "candidate_fraction"),  # was 1.0: every user on it
+                           ({"candidate_fraction": "0.5"}, "candidate_fraction"),
                            ({}, "candidate_fraction"), ({"candidate_fraction": 0.1, "salt": ""}, "salt"),
                            ({"candidate_fraction": 0.1, "fraction": 0.2}, "fraction")]:
             r = client.put("/v1/admin/traffic", json=bad, headers=ADMIN)

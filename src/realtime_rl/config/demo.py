@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from realtime_rl.config.base import StrictModel
 from realtime_rl.config.components import AgentConfig
@@ -89,3 +89,13 @@ class DemoConfig(StrictModel):
     """Concurrent sequences per arm on the gateway's engines."""
     threads: int | None = Field(None, ge=1, le=1024)
     """torch threads (None: torch's default)."""
+
+    @model_validator(mode="after")
+    def _users_keep_edits_long_enough(self) -> DemoConfig:
+        # A kept edit is one whose edit_persisted window reaches the rules' persist_window_s: users that persist
+        # for less never keep an edit (every keep settles censored; edits kept and the rewards mean nothing).
+        users, rules = self.users.persist_window_s, self.loop.rewards.persist_window_s
+        if users < rules:
+            raise ValueError(f"users.persist_window_s ({users:g} s) is shorter than loop.rewards.persist_window_s "
+                             f"({rules:g} s): no edit of theirs would ever count as kept; set both")
+        return self

@@ -11,6 +11,12 @@ from rich.logging import RichHandler
 
 def setup_logging(level: str | int = "INFO") -> None:
     level = os.environ.get("RTRL_LOG_LEVEL", level)
+    if isinstance(level, str):
+        if logging.getLevelName(level.upper()) not in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR,
+                                                        logging.CRITICAL):
+            raise ValueError(f"log level {level!r} (RTRL_LOG_LEVEL or --log-level): use DEBUG, INFO, WARNING, "
+                             "ERROR or CRITICAL")
+        level = level.upper()
     if sys.stderr.isatty():
         handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
         fmt = "%(message)s"

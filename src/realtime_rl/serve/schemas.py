@@ -436,7 +436,7 @@ class HealthPublic(ApiModel):
 class TrafficUpdate(ApiModel):
     """PUT /v1/admin/traffic (and the content of run_dir/traffic.json)."""
 
-    candidate_fraction: float = Field(ge=0.0, le=1.0)
+    candidate_fraction: float = Field(ge=0.0, le=1.0, strict=True)  # true was 1.0: every user a canary's
     """Share of users the candidate arm serves (0: none, 1: all), by a stable hash of user and salt."""
     salt: str | None = Field(None, min_length=1, max_length=128)
     """A new salt draws a new split of users; left out, the current salt stays."""
