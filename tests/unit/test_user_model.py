@@ -286,6 +286,37 @@ def test_delayed_events_go_out_when_due_and_those_past_the_close_are_censored(tm
         delayed.schedule(now, {})
 
 
+def test_a_close_while_the_gateway_hangs_counts_what_is_left_as_censored(monkeypatch):
+    """The close's wait did not budget the backoff sleeps between attempts: a hung gateway made it an
+    AssertionError after the run, and the summary was lost."""
+    import realtime_rl.environments.users.session as session
+
+    class Hanging:
+        timeout_s, retries = 0.2, 1
+        longest_send_s = 0.0  # a budget the send below overruns
+
+        def send(self, events):
+            time.sleep(7.0)  # past the close's budget (wait_s + longest_send_s + 5 s)
+            return False
+
+    delayed = DelayedFeedback(Hanging())
+    now = time.time()
+    for i in range(3):
+        delayed.schedule(now + 0.05 * i, {"event.name": "edit_persisted", "i": i})
+    monkeypatch.setattr(session.log, "warning", lambda *args: None)
+    assert delayed.close(wait_s=0.2) == 2  # the events it could not get to are censored, not an exception
+
+
+def test_user_tasks_are_generated_again_when_their_spec_changes(tmp_path):
+    from realtime_rl.environments.users.run import load_user_tasks
+
+    config = SimulateUsersConfig(base_url="http://testserver", tasks_dir=tmp_path / "tasks", task_count=2)
+    first = [t.task_id for t in load_user_tasks(config)]
+    assert [t.task_id for t in load_user_tasks(config)] == first
+    other = [t.task_id for t in load_user_tasks(config.model_copy(update={"seed": 1, "difficulty": 2}))]
+    assert other != first and len(other) == 2  # it used the first run's tasks
+
+
 def test_a_run_ends_at_its_duration_and_its_summary_matches_the_store(tmp_path, tokenizer):
     config = SimulateUsersConfig(base_url="http://testserver", api_key=KEYS[0].key, users=2, sessions=None,
                                  duration_s=1.0, tasks_dir=tmp_path / "tasks", task_count=2, think_time_s=(0, 0.05),
@@ -299,7 +330,8 @@ def test_a_run_ends_at_its_duration_and_its_summary_matches_the_store(tmp_path, 
         ends = [e for e in store.list_events() if e.type == "session_end"]
     assert len(ends) == summary["sessions"] >= 2 and {e.user for e in ends} == {u.user_id for u in make_users(config)}
     assert summary["errors"] == 0 and took < 10
-    assert sorted(p.name for p in (tmp_path / "tasks").iterdir()) == ["syn-heldout-000000", "syn-heldout-000001"]
+    assert sorted(p.name for p in (tmp_path / "tasks").iterdir()) == [".suite.json", "syn-heldout-000000",
+                                                                      "syn-heldout-000001"]
 
     stop = threading.Event()
     stop.set()

@@ -11,6 +11,8 @@ sessions, completions, edits, kept, reverted, questions, malformed, dissatisfied
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from typing import Any
@@ -31,11 +33,19 @@ from realtime_rl.environments.users.session import (
 
 
 def load_user_tasks(config: SimulateUsersConfig) -> list[Task]:
-    """The tasks in config.tasks_dir, generating config.task_count synthetic ones there if it holds none."""
+    """The tasks in config.tasks_dir, generating config.task_count synthetic ones there if it holds none. Tasks
+    generated here record their spec (.suite.json) and are generated again when it changes (a second run with
+    another seed or difficulty used the first run's tasks); a folder of tasks from elsewhere is used as it is."""
     root = config.tasks_dir
+    spec = {"count": config.task_count, "split": config.split, "seed": config.seed, "start": config.start,
+            "difficulty": config.difficulty}
+    recorded = root / ".suite.json"
+    if recorded.is_file() and json.loads(recorded.read_text()) != spec:
+        shutil.rmtree(root)
     if not (root.is_dir() and (is_task_dir(root) or any(is_task_dir(p) for p in root.iterdir()))):
         generate_tasks(root, config.task_count, split=config.split, seed=config.seed, start=config.start,
                        difficulty=config.difficulty)
+        recorded.write_text(json.dumps(spec))
     return load_tasks(root)
 
 
