@@ -508,3 +508,18 @@ def test_a_run_whose_every_group_is_refused_stops_with_why_instead_of_spinning(t
     assert len(records) == REFUSED_STEPS * config.rl.groups_per_step <= len(backends[0].bad)
     trained = tmp_path / "run" / "trajectories" / "trained.jsonl"
     assert not trained.exists() or not trained.read_text().strip()  # nothing trained on a refused group
+
+
+def test_a_run_whose_every_update_is_non_finite_stops_as_diverged(tmp_path, tiny_checkpoint, monkeypatch):
+    """Each step skipped its non-finite updates, advanced the version and logged its batch as trained: a bf16
+    overflow that persists used up the data while steps appeared to run."""
+    import realtime_rl.rollout.orchestrator as orchestrator
+    import realtime_rl.train.rl as rl
+
+    monkeypatch.setattr(orchestrator, "MAX_NONFINITE_STEPS", 2)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan")))
+    # a signal in every group (the tiny model's rewards are mostly all alike), so every step tries its updates
+    monkeypatch.setattr(rl, "group_advantages", lambda rewards, *args: torch.linspace(-1, 1, len(rewards)))
+    config = _config(tmp_path / "run", tiny_checkpoint, steps=4)
+    with pytest.raises(RuntimeError, match="diverged: the last 2 steps took no update"):
+        train(config, show_progress=False)

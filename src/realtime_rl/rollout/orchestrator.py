@@ -42,6 +42,7 @@ from realtime_rl.types import Episode
 
 POLL_S = 0.5
 REFUSED_STEPS = 4  # this many steps' worth of groups refused in a row, none taken, stops the run
+MAX_NONFINITE_STEPS = 5  # this many steps in a row whose every update was non-finite (skipped) stops the run
 logger = logging.getLogger(__name__)
 
 
@@ -146,6 +147,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
 
     t_start = time.perf_counter()
     idle_s, straggler_s, first_version, history = 0.0, 0.0, trainer.version, []
+    nonfinite_steps = 0
     fill_s, fill_idle_s = None, 0.0  # start to this run's first step (the pipeline filling), and its idle part
     columns = (TextColumn("train"), BarColumn(), TextColumn("v{task.completed}/{task.total} {task.fields[info]}"),
                TimeElapsedColumn())
@@ -193,6 +195,14 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
                 if fill_s is None:
                     fill_s, fill_idle_s = t_step - t_start, idle_s
                 metrics = trainer.step([e for g in batch for e in g])
+                # Every update of the step non-finite: the weights did not move, yet the batch counts as trained.
+                # A few in a row is divergence (a bf16 overflow that persists), not a bad batch: stop, say why.
+                if "train/updates" in metrics:  # a step without signal (no update tried) says nothing either way
+                    none_taken = metrics.get("train/skipped_nonfinite_updates", 0) == metrics["train/updates"]
+                    nonfinite_steps = nonfinite_steps + 1 if none_taken else 0
+                if nonfinite_steps >= MAX_NONFINITE_STEPS:
+                    raise RuntimeError(f"training diverged: the last {nonfinite_steps} steps took no update (every "
+                                       "gradient non-finite); lower rl.lr, or train in fp32 (rl.dtype)")
                 trainer.save(config.checkpoint_keep)
                 backend.publish(trainer.weights(), trainer.version)
                 log.remove(batch, trainer.version)

@@ -333,6 +333,7 @@ class RLTrainer:
             out["train/grad_norm"], out["train/grad_norm_max"] = sum(norms) / len(norms), max(norms)
         if len(norms) < num_updates:  # an overflow (bf16) or a NaN: those minibatches changed nothing
             out["train/skipped_nonfinite_updates"] = float(num_updates - len(norms))
+        out["train/updates"] = float(num_updates)
         out["train/lr"] = lr
         out["train/trained_sequences"] = float(len(items))
         out["train/micro_batches"] = float(micro_batches)
