@@ -16,6 +16,7 @@ import pytest
 from realtime_rl.config import SandboxConfig
 from realtime_rl.environments.sandbox import IsolationLevel, Sandbox, WarmPool, probe_isolation
 from tests.conftest import EXERCISM
+from tests.integration.test_value_grading import FORGE as VALUE_GRADING_FORGE
 
 
 def _probe_or_skip():
@@ -230,19 +231,8 @@ def test_warm_slot_survives_a_hang_and_a_killed_slot(pool):
     assert all(r.ok and r.warm for r in reports)
 
 
-FORGE = """
-import json, os, struct
-
-
-def forge(data):
-    for fd in os.listdir("/proc/self/fd"):  # every pipe past stderr: the report pipe among them
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:") and int(fd) > 2:
-                os.write(int(fd), struct.pack(">Q", len(data)) + data)
-        except OSError:
-            pass
-    os._exit(0)
-"""
+# The forger of test_value_grading, handed the report's bytes as they are (not a report to dump as JSON)
+FORGE = VALUE_GRADING_FORGE.replace("data = json.dumps(report).encode()", "data = report")
 
 
 @pytest.mark.parametrize("forged", [
@@ -250,7 +240,7 @@ def forge(data):
     b'{"passed": 1, "x": ' + b"[" * 980 + b"]" * 980 + b"}",  # parsed in the slot; too deep for the host's stack
 ])
 def test_a_report_forged_by_the_code_under_test_is_no_report_and_the_pool_serves_on(pool, forged):
-    files = {"test_f.py": "import f\n\ndef test_f():\n    pass\n", "f.py": FORGE + f"forge({forged!r})\n"}
+    files = {"test_f.py": "import f\n\ndef test_f():\n    pass\n", "f.py": FORGE + f"_forge({forged!r})\n"}
     report = pool.run_tests(files, ["test_f.py"])
     assert not report.ok and report.passed == 0 and report.fallback_reason  # graded as no report, cold
     ok = {"test_ok.py": "def test_ok():\n    pass\n"}

@@ -19,6 +19,9 @@ plain file at the top level). `.meta/` and `.docs/` never enter a workspace.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -195,3 +198,29 @@ def load_tasks(path: str | Path) -> list[Task]:
     if not tasks:
         raise ValueError(f"{path}: no task directories (folders with .meta/config.json)")
     return tasks
+
+
+SUITE_RECORD = ".suite.json"
+
+
+def generated_suite(root: str | Path, spec: dict[str, Any], generate: Callable[[Path], object], *,
+                    adopt_unrecorded: bool = False) -> list[Task]:
+    """Tasks that `generate(folder)` writes, kept in `root` with `spec` recorded (root/.suite.json) and
+    generated again whenever the spec changes. They are written to a staging folder renamed into place, so a
+    stop midway leaves no half suite. A root holding tasks but no record is generated again, or with
+    adopt_unrecorded used as it is (a folder of tasks from elsewhere)."""
+    root = Path(root)
+    recorded = root / SUITE_RECORD
+    if root.exists():
+        known = json.loads(recorded.read_text()) if recorded.is_file() else None
+        holds_tasks = is_task_dir(root) or any(is_task_dir(p) for p in root.iterdir())
+        if known != spec and not (known is None and adopt_unrecorded and holds_tasks):
+            shutil.rmtree(root)
+    if not root.exists():
+        staging = root.with_name(f".{root.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        generate(staging)
+        (staging / SUITE_RECORD).write_text(json.dumps(spec))
+        os.replace(staging, root)
+    return load_tasks(root)

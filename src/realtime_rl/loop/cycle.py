@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -54,37 +52,21 @@ from realtime_rl.config import LoopConfig, PretrainConfig
 from realtime_rl.deploy import (
     DataWindow, FilesystemTransport, PolicyVersion, Registry, StateChanged, WeightPublisher,
 )
-from realtime_rl.environments import generate_tasks, load_tasks
 from realtime_rl.evaluate import EpisodeOutcome, ab_records, analyze, decide, evaluate_checkpoint
 from realtime_rl.loop.gateway import GatewayClient
 from realtime_rl.loop.report import cycle_metrics
 from realtime_rl.loop.state import LoopState
+from realtime_rl.loop.suites import cached_outcomes, dodged, eval_key, interaction, suite
 from realtime_rl.loop.training_data import on_policy_rewards
 from realtime_rl.model import load_checkpoint, save_checkpoint
 from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.monitor import JsonlSink
-from realtime_rl.rewards import (
-    Interaction, RewardLedger, Traffic, compare, read_traffic, traffic_interactions,
-)
+from realtime_rl.rewards import RewardLedger, Traffic, compare, read_traffic, traffic_interactions
 from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
-
-EVAL_SCHEMA = 2
-"""Version of the cached evaluation outcomes (2: each carries its first reply's action)."""
-
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     model = load_checkpoint(checkpoint, dtype=torch.float32).model
     return {name: p.detach() for name, p in model.named_parameters()}
-
-
-def _interaction(outcome: EpisodeOutcome, difficulty: str | None) -> Interaction:
-    """An evaluation episode as the monitors see live traffic: its first reply classified as if served."""
-    return Interaction(outcome.action, outcome.malformed_tool_calls, outcome.tokens, difficulty, None)
-
-
-def dodged(outcome: EpisodeOutcome) -> bool:
-    """What a hack canary counts: the policy did not try (asked, or broke its tool call)."""
-    return outcome.action in ("question", "malformed")
 
 
 class RealtimeLoop:
@@ -119,9 +101,11 @@ class RealtimeLoop:
                 base = config.base_checkpoint or ensure_base_model(PretrainConfig())
                 live = self.registry.bootstrap(base, version=0)
                 self._publish_champion(live)
-            self.gate_tasks = self._suite("gate-tasks", config.gate_tasks, range(1, config.gate_max_difficulty + 1),
-                                          config.gate_split, config.gate_start)
-            self.canary_tasks = self._suite("canary-tasks", config.canary_tasks, [4], "heldout", config.gate_start)
+            levels = range(1, config.gate_max_difficulty + 1)
+            self.gate_tasks = suite(self.run_dir / "gate-tasks", config.gate_tasks, levels, config.gate_split,
+                                    config.seed, config.gate_start)
+            self.canary_tasks = suite(self.run_dir / "canary-tasks", config.canary_tasks, [4], "heldout", config.seed,
+                                      config.gate_start)
             self._reconcile()
             self._opened = opened.pop_all()
 
@@ -140,33 +124,6 @@ class RealtimeLoop:
     def candidate_store(run_dir: Path) -> Path:
         """The weight store the gateway's candidate arm follows (ServeConfig.candidate_weights)."""
         return Path(run_dir) / "weights" / "candidate"
-
-    def _suite(self, name: str, count: int, difficulties: Any, split: str, start: int) -> list:
-        """The gate's (or canaries') tasks, generated once; regenerated when their spec changes."""
-        root = self.run_dir / name
-        spec = {"count": count, "difficulties": list(difficulties), "split": split, "seed": self.config.seed,
-                "start": start}
-        recorded = root / ".suite.json"
-        if root.exists() and (not recorded.is_file() or json.loads(recorded.read_text()) != spec):
-            shutil.rmtree(root)
-        if count and not root.exists():
-            levels = spec["difficulties"]
-            staging = self.run_dir / f".{name}"
-            shutil.rmtree(staging, ignore_errors=True)
-            for i, d in enumerate(levels):
-                n = count // len(levels) + (i < count % len(levels))
-                generate_tasks(staging, n, split=split, seed=spec["seed"], start=start, difficulty=d)
-            (staging / ".suite.json").write_text(json.dumps(spec))
-            os.replace(staging, root)
-        return load_tasks(root) if count else []
-
-    def _eval_key(self) -> str:
-        """What a cached evaluation depends on besides the version: the suites, the agent, the seed, and the
-        outcome schema (EVAL_SCHEMA: caches written before outcomes carried their first reply's action are
-        recomputed rather than guessed)."""
-        spec = {"schema": EVAL_SCHEMA, "gate": [t.task_id for t in self.gate_tasks],
-                "canary": [t.task_id for t in self.canary_tasks], "agent": self.config.agent.model_dump(mode="json"), "seed": self.config.gate.seed}
-        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
     # ------------------------------------------------------------------------------------------ the cycle
 
@@ -423,22 +380,15 @@ class RealtimeLoop:
 
     def evaluate(self, version: PolicyVersion) -> tuple[list[EpisodeOutcome], list[EpisodeOutcome]]:
         """The version's gate and canary outcomes (cached: a champion is evaluated once)."""
-        cache = self.run_dir / "evals" / f"v-{version.version:06d}-{self._eval_key()}.json"
-        if cache.is_file():
-            data = json.loads(cache.read_text())
-            return [EpisodeOutcome(**o) for o in data["gate"]], [EpisodeOutcome(**o) for o in data["canary"]]
         cfg = self.config
+        key = eval_key(self.gate_tasks, self.canary_tasks, cfg.agent, cfg.gate.seed)
 
         def run(tasks: list) -> list[EpisodeOutcome]:
             return evaluate_checkpoint(version.checkpoint, tasks, seed=cfg.gate.seed, agent_config=cfg.agent,
                                        threads=cfg.gate.threads, concurrency=cfg.gate.concurrency) if tasks else []
 
-        gate, canary = run(self.gate_tasks), run(self.canary_tasks)
-        cache.parent.mkdir(exist_ok=True)
-        staging = cache.with_name(f".{cache.name}.tmp")  # a stop mid-write leaves no truncated cache behind
-        staging.write_text(json.dumps({"gate": [asdict(o) for o in gate], "canary": [asdict(o) for o in canary]}))
-        os.replace(staging, cache)
-        return gate, canary
+        return cached_outcomes(self.run_dir / "evals" / f"v-{version.version:06d}-{key}.json",
+                               lambda: (run(self.gate_tasks), run(self.canary_tasks)))
 
     def progress(self) -> dict[str, Any]:
         """The live version against the first one (the base) on the gate suite: the same tasks with the same
@@ -458,8 +408,8 @@ class RealtimeLoop:
         champ_gate, champ_canary = self.evaluate(champion)
         cand_gate, cand_canary = self.evaluate(candidate)
         difficulty = {t.task_id: str(t.metadata.get("difficulty")) for t in self.gate_tasks}
-        monitors = compare([_interaction(o, difficulty.get(o.task_id)) for o in champ_gate],
-                           [_interaction(o, difficulty.get(o.task_id)) for o in cand_gate], cfg.monitors)
+        monitors = compare([interaction(o, difficulty.get(o.task_id)) for o in champ_gate],
+                           [interaction(o, difficulty.get(o.task_id)) for o in cand_gate], cfg.monitors)
         decision = decide(champ_gate, cand_gate, [dodged(o) for o in champ_canary], [dodged(o) for o in cand_canary],
                           cfg.gate, alarms=[f"{r.metric}: {r.reason}" for r in monitors.alarms])
         evidence = decision.to_dict() | {"monitors": monitors.to_dict()}

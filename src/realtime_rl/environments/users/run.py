@@ -11,8 +11,6 @@ sessions, completions, edits, kept, reverted, questions, malformed, dissatisfied
 
 from __future__ import annotations
 
-import json
-import shutil
 import threading
 import time
 from typing import Any
@@ -25,7 +23,7 @@ from rich.table import Table
 from realtime_rl.config.users import SimulateUsersConfig
 from realtime_rl.environments.sandbox import Sandbox
 from realtime_rl.environments.synthetic import generate_tasks
-from realtime_rl.environments.tasks import Task, is_task_dir, load_tasks
+from realtime_rl.environments.tasks import Task, generated_suite
 from realtime_rl.environments.users.model import make_users
 from realtime_rl.environments.users.session import (
     DelayedFeedback, FeedbackSender, SimulatedUser, Stats, gateway_client,
@@ -36,17 +34,11 @@ def load_user_tasks(config: SimulateUsersConfig) -> list[Task]:
     """The tasks in config.tasks_dir, generating config.task_count synthetic ones there if it holds none. Tasks
     generated here record their spec (.suite.json) and are generated again when it changes (a second run with
     another seed or difficulty used the first run's tasks); a folder of tasks from elsewhere is used as it is."""
-    root = config.tasks_dir
     spec = {"count": config.task_count, "split": config.split, "seed": config.seed, "start": config.start,
             "difficulty": config.difficulty}
-    recorded = root / ".suite.json"
-    if recorded.is_file() and json.loads(recorded.read_text()) != spec:
-        shutil.rmtree(root)
-    if not (root.is_dir() and (is_task_dir(root) or any(is_task_dir(p) for p in root.iterdir()))):
-        generate_tasks(root, config.task_count, split=config.split, seed=config.seed, start=config.start,
-                       difficulty=config.difficulty)
-        recorded.write_text(json.dumps(spec))
-    return load_tasks(root)
+    return generated_suite(config.tasks_dir, spec, lambda folder: generate_tasks(
+        folder, config.task_count, split=config.split, seed=config.seed, start=config.start,
+        difficulty=config.difficulty), adopt_unrecorded=True)
 
 
 class _Budget:
