@@ -63,7 +63,7 @@ def test_bench_parity_writes_json(tmp_path):
     (["bench", "learn", "--set", "rl.lr_decay_steps=0"], "rl.lr_decay_steps"),  # before any base model is built
     # users who persist edits for less than the rules' window never keep one: every keep settled censored
     (["demo", "--set", "loop.rewards.persist_window_s=30"], "users.persist_window_s (15 s) is shorter"),
-    (["simulate-users", "--set", 'tasks_dir="/etc/hostname"'], "File exists"),  # an OSError: was a traceback
+    (["simulate-users", "--set", 'tasks_dir="/etc/hostname"'], "/etc/hostname"),  # an OSError: was a traceback
 ])
 def test_bad_input_exits_nonzero_with_one_line(args, message):
     proc = run(*args)
