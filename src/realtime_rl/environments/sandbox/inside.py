@@ -170,8 +170,11 @@ def descendants(root: int) -> list[int]:
 
 
 def kill_leftovers(own_pid_namespace: bool, deadline_s: float = 2.0) -> None:
-    """Kill every process this one started (and their orphans), until none is left or the deadline."""
-    end = time.monotonic() + deadline_s
+    """Kill every process this one started (and their orphans), until none is left or the deadline.
+
+    Done means two scans in a row found none alive: a process listed by one scan can fork and exit before
+    its line is read, and its child, missing from that scan's listing, is a descendant in the next one."""
+    end, clean = time.monotonic() + deadline_s, 0
     while time.monotonic() < end:
         if own_pid_namespace:
             try:
@@ -192,7 +195,8 @@ def kill_leftovers(own_pid_namespace: bool, deadline_s: float = 2.0) -> None:
                     break
             except ChildProcessError:
                 break
-        if not [p for p in left if not is_zombie(p)]:
+        clean = clean + 1 if not [p for p in left if not is_zombie(p)] else 0
+        if clean == 2:
             return
         time.sleep(0.001)
 
