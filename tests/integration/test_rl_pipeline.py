@@ -3,6 +3,7 @@ staleness bound, and a trainer killed with SIGKILL that resumes without losing o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -523,3 +524,90 @@ def test_a_run_whose_every_update_is_non_finite_stops_as_diverged(tmp_path, tiny
     config = _config(tmp_path / "run", tiny_checkpoint, steps=4)
     with pytest.raises(RuntimeError, match="diverged: the last 2 steps took no update"):
         train(config, show_progress=False)
+
+
+
+class _Failing(LocalBackend):
+    """Real workers; the jobs `fails(k)` picks (k: the k-th submitted) name a difficulty no task has, so the
+    worker's run_group raises, as it does for a sandbox that broke or an engine request that timed out."""
+
+    fails = staticmethod(lambda k: k == 0)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.submitted, self.failing = 0, []
+
+    def submit(self, job) -> None:
+        if self.fails(self.submitted):
+            job = dataclasses.replace(job, difficulty=99)
+            self.failing.append(job.group_id)
+        self.submitted += 1
+        super().submit(job)
+
+
+def _failing(monkeypatch, fails) -> list[_Failing]:
+    from realtime_rl.rollout import orchestrator
+
+    backends: list[_Failing] = []
+
+    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _Failing:
+        backends.append(_Failing(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
+                                 weights_dir=Path(config.run_dir) / "weights"))
+        backends[-1].fails = fails
+        return backends[-1]
+
+    monkeypatch.setattr(orchestrator, "make_backend", make_backend)
+    return backends
+
+
+def test_a_group_that_fails_in_its_worker_is_recorded_and_replaced_not_the_end_of_the_run(tmp_path, tiny_checkpoint,
+                                                                                        monkeypatch):
+    from realtime_rl.rollout.buffer import FAILED_FILE
+
+    backends = _failing(monkeypatch, lambda k: k == 0)
+    summary = train(_config(tmp_path / "run", tiny_checkpoint, steps=2), show_progress=False)
+    assert summary["version"] == 2 and summary["failed_groups"] == 1
+    assert summary["history"][-1]["rollout/failed_groups"] == 1
+    log = tmp_path / "run" / "trajectories"
+    [record] = [json.loads(line) for line in (log / FAILED_FILE).read_text().splitlines()]
+    assert record["group_id"] == backends[0].failing[0] and "difficulty must be 1..4" in record["error"]
+    trained = TrajectoryLog(log).trained_ids()
+    assert len(trained) == len(set(trained)) == 2 * 2 * 2  # the failed group's slot went to another group
+
+
+def test_a_run_whose_every_group_fails_stops_with_the_error(tmp_path, tiny_checkpoint, monkeypatch):
+    from realtime_rl.rollout.buffer import FAILED_FILE
+    from realtime_rl.rollout.orchestrator import REFUSED_STEPS
+
+    _failing(monkeypatch, lambda k: True)
+    config = _config(tmp_path / "run", tiny_checkpoint, steps=2)
+    with pytest.raises(RuntimeError, match=r"failed in their rollout workers(.|\n)*difficulty must be 1..4"):
+        train(config, show_progress=False)  # no max_minutes: it would have handed out tasks forever
+    records = (tmp_path / "run" / "trajectories" / FAILED_FILE).read_text().splitlines()
+    assert len(records) == REFUSED_STEPS * config.rl.groups_per_step
+
+
+def test_a_ray_group_that_raises_is_a_failure_and_the_actor_goes_on(tmp_path, tiny_checkpoint):
+    ray = pytest.importorskip("ray")
+    from realtime_rl.rollout.ray_actors import RayBackend
+    from realtime_rl.rollout.worker import GroupJob
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        rollout = _config(tmp_path / "run", tiny_checkpoint, backend="ray").rollout
+        backend = RayBackend(rollout.model_copy(update={"workers": 1}), tiny_checkpoint, group_size=2)
+        model = load_checkpoint(tiny_checkpoint).model
+        backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
+        try:
+            backend.submit(GroupJob("bad", 0, 99, 2, 0, 0))
+            backend.submit(GroupJob("good", 0, 1, 2, 0, 0))
+            groups, deadline = [], time.monotonic() + 120
+            while backend.in_flight and time.monotonic() < deadline:
+                groups += backend.poll(1.0)
+            [failure] = backend.failures()
+            assert failure.group_id == "bad" and "difficulty must be 1..4" in failure.error
+            assert [g[0].group_id for g in groups] == ["good"] and backend.failures() == []
+        finally:
+            backend.close()
+    finally:
+        ray.shutdown()

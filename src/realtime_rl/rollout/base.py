@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +16,27 @@ import torch
 from realtime_rl.config import RolloutConfig
 from realtime_rl.rollout.worker import GroupJob
 from realtime_rl.types import Episode
+
+
+@dataclass(frozen=True)
+class GroupFailed:
+    """A group its worker could not finish (the group raised: an engine request timed out, a sandbox broke):
+    it has no episodes, only the error (its traceback's end)."""
+
+    group_id: str
+    worker: int
+    error: str
+
+
+MESSAGE_TEXT = 2048
+"""The most bytes of a traceback a message carries (its end: where it was raised): with the rest of the
+pickled message it stays under PIPE_BUF (4096 bytes on Linux), the size a pipe writes atomically."""
+
+
+def short(text: str) -> str:
+    """At most MESSAGE_TEXT bytes of `text` in UTF-8 (a traceback may quote a task's non-ASCII text), its end."""
+    data = text.encode("utf-8", "replace")
+    return text if len(data) <= MESSAGE_TEXT else "...\n" + data[-MESSAGE_TEXT:].decode("utf-8", "ignore")
 
 
 def publish_dtype(config: RolloutConfig) -> torch.dtype:
@@ -37,6 +59,7 @@ class RolloutBackend(ABC):
         self._load = [0] * config.workers  # groups in flight per worker
         self._reports: list[dict[str, float]] = [{} for _ in range(config.workers)]  # each worker's latest report
         self.last_publish = None  # realtime_rl.deploy.PublishStats of the newest publish
+        self._failed: list[GroupFailed] = []  # groups poll() found failed, until failures() hands them over
 
     @property
     def capacity(self) -> int:
@@ -47,6 +70,11 @@ class RolloutBackend(ABC):
         wid = min(range(len(self._load)), key=self._load.__getitem__)
         self._load[wid] += 1
         return wid
+
+    def failures(self) -> list[GroupFailed]:
+        """The groups found failed since the last call (by poll(); they are no longer in flight)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def generated_tokens(self) -> int:
         """Tokens sampled by all workers so far (for rollout tokens/s)."""
@@ -89,7 +117,8 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def poll(self, timeout_s: float) -> list[list[Episode]]:
-        """Finished groups; waits up to timeout_s for the first one (0: never waits)."""
+        """Finished groups; waits up to timeout_s for the first one (0: never waits). A group whose worker raised
+        is not among them: it goes to failures(). A worker that died or failed outside a group is an error."""
 
     @abstractmethod
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:

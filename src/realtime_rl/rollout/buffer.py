@@ -115,6 +115,7 @@ TASKS_FILE = "tasks_handed_out"
 TRAINED_FILE = "trained.jsonl"
 DROPPED_FILE = "dropped.jsonl"
 REJECTED_FILE = "rejected.jsonl"
+FAILED_FILE = "failed.jsonl"
 
 
 class TrajectoryLog:
@@ -189,6 +190,10 @@ class TrajectoryLog:
         self._record(REJECTED_FILE, [{"group_id": group[0].group_id, "version": version, "reason": reason,
                                       "episode_ids": [e.episode_id for e in group]}])
         self._forget([group])
+
+    def fail(self, group_id: str, version: int, worker: int, error: str) -> None:
+        """Record a group its worker failed to finish (failed.jsonl, with the error); it has no episodes."""
+        self._record(FAILED_FILE, [{"group_id": group_id, "version": version, "worker": worker, "error": error}])
 
     def _forget(self, groups: list[list[Episode]]) -> None:
         for group in groups:

@@ -34,18 +34,9 @@ import torch
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import FilesystemTransport, WeightPublisher, WeightSubscriber
 from realtime_rl.environments.sandbox.launch import remove_tree
-from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype
+from realtime_rl.rollout.base import GroupFailed, RolloutBackend, groups_per_worker, publish_dtype, short
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
-
-
-MESSAGE_TEXT = 2048
-"""The most characters of a traceback a message carries (its end: where it was raised): with the rest of the
-pickled message it stays under PIPE_BUF (4096 bytes on Linux), the size a pipe writes atomically."""
-
-
-def short(text: str) -> str:
-    return text if len(text) <= MESSAGE_TEXT else "...\n" + text[-MESSAGE_TEXT:]
 
 
 def write_blobs(path: Path, blobs: list[bytes]) -> Path:
@@ -89,8 +80,8 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: Ro
             episodes = worker.run_group(job)
             path = write_blobs(Path(scratch) / f"group-{job.group_id}.bin", [episode_to_bytes(e) for e in episodes])
             outbox.put(("group", worker_id, job.group_id, str(path), worker.report()))
-        except BaseException:
-            outbox.put(("error", worker_id, short(traceback.format_exc())))
+        except BaseException:  # the group's failure, not the worker's: the orchestrator counts it and goes on
+            outbox.put(("failed", worker_id, job.group_id, short(traceback.format_exc())))
 
     outbox.put(("ready", worker_id))
     orphaned = False
@@ -179,6 +170,11 @@ class LocalBackend(RolloutBackend):
                 self._jobs.pop(group_id, None)
                 self._reports[wid] = report
                 out.append([episode_from_bytes(b) for b in read_blobs(Path(path))])
+            elif message[0] == "failed":
+                _, wid, group_id, error = message
+                self._load[wid] -= 1
+                self._jobs.pop(group_id, None)
+                self._failed.append(GroupFailed(group_id, wid, error))
             message = self._get(0)
         return out
 

@@ -34,14 +34,14 @@ from realtime_rl.config import RolloutConfig, TrainConfig
 from realtime_rl.environments.synthetic import pool_size, pool_task_index
 from realtime_rl.environments.synthetic_ops import INPUT_TYPES
 from realtime_rl.monitor import ConsoleSink, JsonlSink, MultiSink
-from realtime_rl.rollout.base import RolloutBackend
+from realtime_rl.rollout.base import GroupFailed, RolloutBackend
 from realtime_rl.rollout.buffer import StalenessBuffer, TrajectoryLog
 from realtime_rl.rollout.worker import GroupJob, new_group_id
 from realtime_rl.train import RLTrainer, remove_staging, run_dir_lock
 from realtime_rl.types import Episode
 
 POLL_S = 0.5
-REFUSED_STEPS = 4  # this many steps' worth of groups refused in a row, none taken, stops the run
+REFUSED_STEPS = 4  # this many steps' worth of groups refused in a row, none taken, stops the run; failed likewise
 MAX_NONFINITE_STEPS = 5  # this many steps in a row whose every update was non-finite (skipped) stops the run
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
     trainer = RLTrainer.open(run_dir, base, config.rl)
     gps, size = config.rl.groups_per_step, config.rl.group_size
     log = TrajectoryLog(run_dir / "trajectories")
-    rejected, in_a_row = 0, 0
+    rejected, in_a_row, failed, failed_in_a_row = 0, 0, 0, 0
 
     def admissible(group: list[Episode]) -> bool:
         """Whether the trainer would take the group; else it is logged as rejected, with why, and set aside (one
@@ -136,8 +136,27 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
     backend = make_backend(config, base)
     admitted: dict[str, int] = {}  # group id -> the trainer's version at admission, while in flight
 
+    def fail(failure: GroupFailed) -> None:
+        """A group whose worker raised (an engine request that timed out, a sandbox that broke) is recorded with
+        its error and its slot re-admitted; its task is not handed out again. Failures only (REFUSED_STEPS
+        steps' worth in a row) are the setup's fault or a broken worker's: the run stops with the last error."""
+        nonlocal failed, failed_in_a_row
+        admitted.pop(failure.group_id, None)
+        buffer.started -= 1
+        log.fail(failure.group_id, trainer.version, failure.worker, failure.error)
+        failed, failed_in_a_row = failed + 1, failed_in_a_row + 1
+        logger.warning("group %s failed in rollout worker %d: %s", failure.group_id, failure.worker,
+                       failure.error.strip().rsplit("\n", 1)[-1])
+        if failed_in_a_row >= REFUSED_STEPS * gps:
+            raise RuntimeError(f"the last {failed_in_a_row} groups failed in their rollout workers (logged in "
+                               f"trajectories/failed.jsonl); the last one's error:\n{failure.error}")
+
     def receive(finished: list[list[Episode]]) -> None:
+        nonlocal failed_in_a_row
+        for failure in backend.failures():
+            fail(failure)
         for group in finished:
+            failed_in_a_row = 0
             admitted.pop(group[0].group_id, None)
             if not admissible(group):
                 buffer.started -= 1  # admission may replace it
@@ -183,7 +202,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
                     idle_s += time.perf_counter() - t0
                     if stranding:  # a batch was ready: the straggler's wait
                         straggler_s += time.perf_counter() - t0
-                    if finished:
+                    if finished or backend.in_flight < len(admitted):  # groups came back, or failed
                         progress_at = time.perf_counter()
                     elif backend.in_flight and time.perf_counter() - progress_at > config.rollout.timeout_s:
                         raise TimeoutError(f"no rollout finished in {config.rollout.timeout_s:.0f} s "
@@ -216,6 +235,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
                     "rollout/tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
                     "rollout/dropped_stale_groups": float(buffer.dropped),
                     "rollout/rejected_groups": float(rejected),
+                    "rollout/failed_groups": float(failed),
                     "rollout/straggler_wait_s": straggler_s,
                     "rollout/groups_ready": float(len(buffer.ready)),
                     **backend.engine_metrics(),
@@ -244,6 +264,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
         "reward_last_mean": float(np.mean(rewards[-3:])) if rewards else None,
         "dropped_stale_groups": buffer.dropped,
         "rejected_groups": rejected,
+        "failed_groups": failed,
         "straggler_wait_s": straggler_s,
         "rollout_tokens_per_s": backend.generated_tokens() / max(elapsed, 1e-9),
         "rollout": {k.removeprefix("rollout/"): v for k, v in backend.engine_metrics().items()},

@@ -27,7 +27,7 @@ import torch
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import TransportError, WeightPublisher, WeightSubscriber
 from realtime_rl.environments.sandbox.launch import remove_tree
-from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype
+from realtime_rl.rollout.base import GroupFailed, RolloutBackend, groups_per_worker, publish_dtype, short
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
@@ -83,7 +83,7 @@ class RayBackend(RolloutBackend):
         self.ray = ray
         self._actors: list = []
         self._where: list[tuple[str, str] | None] = []  # each actor's node id and scratch directory there
-        self._pending: dict = {}  # ObjectRef -> worker id
+        self._pending: dict = {}  # ObjectRef -> (worker id, group id)
         self._weights = f"rtrl-weights-{uuid.uuid4().hex[:12]}"  # this run's weight directory actor
         self._publisher: WeightPublisher | None = None
         self._started_ray = False  # a local Ray this backend started, shut down by close()
@@ -131,7 +131,7 @@ class RayBackend(RolloutBackend):
 
     def submit(self, job: GroupJob) -> None:
         wid = self._least_loaded()
-        self._pending[self._actors[wid].run_group.remote(job)] = wid
+        self._pending[self._actors[wid].run_group.remote(job)] = wid, job.group_id
 
     def poll(self, timeout_s: float) -> list[list[Episode]]:
         if not self._pending:
@@ -141,9 +141,13 @@ class RayBackend(RolloutBackend):
         done = self.ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)[0] if first else []
         out = []
         for ref in done:
-            wid = self._pending.pop(ref)
+            wid, group_id = self._pending.pop(ref)
             self._load[wid] -= 1
-            blobs, report = self.ray.get(ref, timeout=self.config.timeout_s)  # raises the actor's error, if any
+            try:
+                blobs, report = self.ray.get(ref, timeout=self.config.timeout_s)
+            except self.ray.exceptions.RayTaskError as exc:  # run_group raised: the group failed, not the actor
+                self._failed.append(GroupFailed(group_id, wid, short(str(exc))))
+                continue  # an actor that died (RayActorError) or a get that timed out is the run's error
             self._reports[wid] = report
             out.append([episode_from_bytes(b) for b in blobs])
         return out
