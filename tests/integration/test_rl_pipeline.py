@@ -465,15 +465,18 @@ class _Corrupting(LocalBackend):
         return groups
 
 
-def _corrupting(monkeypatch, every: bool) -> list[_Corrupting]:
+def _run_with(monkeypatch, backend_class: type[LocalBackend], **attributes) -> list:
+    """Make `rtrl train` run on real local workers behind backend_class (attributes set on each); the backends
+    made, in order."""
     from realtime_rl.rollout import orchestrator
 
-    backends: list[_Corrupting] = []
+    backends: list = []
 
-    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _Corrupting:
-        backends.append(_Corrupting(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
-                                    weights_dir=Path(config.run_dir) / "weights"))
-        backends[-1].every = every
+    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> LocalBackend:
+        backends.append(backend_class(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
+                                      weights_dir=Path(config.run_dir) / "weights"))
+        for name, value in attributes.items():
+            setattr(backends[-1], name, value)
         return backends[-1]
 
     monkeypatch.setattr(orchestrator, "make_backend", make_backend)
@@ -484,7 +487,7 @@ def test_a_group_the_trainer_would_refuse_is_set_aside_with_why_not_the_end_of_t
                                                                                        monkeypatch):
     from realtime_rl.rollout.buffer import REJECTED_FILE
 
-    backends = _corrupting(monkeypatch, every=False)
+    backends = _run_with(monkeypatch, _Corrupting, every=False)
     summary = train(_config(tmp_path / "run", tiny_checkpoint, steps=2), show_progress=False)
     assert summary["version"] == 2 and summary["rejected_groups"] == 1
     log = tmp_path / "run" / "trajectories"
@@ -501,7 +504,7 @@ def test_a_run_whose_every_group_is_refused_stops_with_why_instead_of_spinning(t
     from realtime_rl.rollout.buffer import REJECTED_FILE
     from realtime_rl.rollout.orchestrator import REFUSED_STEPS
 
-    backends = _corrupting(monkeypatch, every=True)
+    backends = _run_with(monkeypatch, _Corrupting, every=True)
     config = _config(tmp_path / "run", tiny_checkpoint, steps=2)
     with pytest.raises(RuntimeError, match="refused the last .* non-finite behaviour logprob"):
         train(config, show_progress=False)  # no max_minutes: it would have handed out tasks forever
@@ -545,26 +548,11 @@ class _Failing(LocalBackend):
         super().submit(job)
 
 
-def _failing(monkeypatch, fails) -> list[_Failing]:
-    from realtime_rl.rollout import orchestrator
-
-    backends: list[_Failing] = []
-
-    def make_backend(config: TrainConfig, checkpoint_dir: Path) -> _Failing:
-        backends.append(_Failing(config.rollout, checkpoint_dir, config.rl.group_size, config.seed,
-                                 weights_dir=Path(config.run_dir) / "weights"))
-        backends[-1].fails = fails
-        return backends[-1]
-
-    monkeypatch.setattr(orchestrator, "make_backend", make_backend)
-    return backends
-
-
 def test_a_group_that_fails_in_its_worker_is_recorded_and_replaced_not_the_end_of_the_run(tmp_path, tiny_checkpoint,
                                                                                         monkeypatch):
     from realtime_rl.rollout.buffer import FAILED_FILE
 
-    backends = _failing(monkeypatch, lambda k: k == 0)
+    backends = _run_with(monkeypatch, _Failing, fails=lambda k: k == 0)
     summary = train(_config(tmp_path / "run", tiny_checkpoint, steps=2), show_progress=False)
     assert summary["version"] == 2 and summary["failed_groups"] == 1
     assert summary["history"][-1]["rollout/failed_groups"] == 1
@@ -579,7 +567,7 @@ def test_a_run_whose_every_group_fails_stops_with_the_error(tmp_path, tiny_check
     from realtime_rl.rollout.buffer import FAILED_FILE
     from realtime_rl.rollout.orchestrator import REFUSED_STEPS
 
-    _failing(monkeypatch, lambda k: True)
+    _run_with(monkeypatch, _Failing, fails=lambda k: True)
     config = _config(tmp_path / "run", tiny_checkpoint, steps=2)
     with pytest.raises(RuntimeError, match=r"failed in their rollout workers(.|\n)*difficulty must be 1..4"):
         train(config, show_progress=False)  # no max_minutes: it would have handed out tasks forever
