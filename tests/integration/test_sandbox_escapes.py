@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -92,3 +94,33 @@ def test_warm_pool_leaves_nothing_behind(sandbox, bait):
         assert bomb.warm and bomb.timed_out and bait.leftovers() == []
         after = pool.run_tests({"test_ok.py": "def test_ok():\n    pass\n"}, ["test_ok.py"])
         assert after.ok and after.warm
+
+
+HOLD_EVERY_PROCESS = """
+import os, time
+for _ in range(10_000):
+    try:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+    except OSError:
+        pass
+time.sleep(30)
+"""
+FORK_20 = "import subprocess\nfor _ in range(20):\n    subprocess.run(['true'], check=True)\nprint('forked 20')\n"
+
+
+def test_a_weak_sandbox_holding_every_process_it_may_does_not_starve_another_ones_forks():
+    """Weak sandboxes share a uid. Their process limit was RLIMIT_NPROC, which counts every process of the uid:
+    one run at its limit made every other run's fork fail (EAGAIN), grading it wrong. With a cgroup each run
+    has its own pids.max."""
+    weak = Sandbox(SandboxConfig(isolation="weak", wall_s=20))
+    if weak.probe.cgroups.version is None:
+        pytest.skip("no writable cgroup: weak sandboxes share RLIMIT_NPROC, a documented gap of the tier")
+    with ThreadPoolExecutor(1) as other:
+        holder = other.submit(weak.run, ["python3", "-c", HOLD_EVERY_PROCESS], {}, timeout_s=6.0)
+        time.sleep(2.0)  # it holds max_procs processes by now
+        result = weak.run(["python3", "-c", FORK_20], {}, timeout_s=10.0)
+        assert not holder.done()
+        assert result.ok and "forked 20" in result.stdout, result.stderr[-500:]
+        assert holder.result(timeout=30).timed_out

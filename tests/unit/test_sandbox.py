@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -496,3 +497,21 @@ def test_remove_tree_removes_an_unwritable_tree_and_never_touches_its_parent(tmp
     assert not tree.exists()
     remove_tree(tree)
     assert parent.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_run_queued_behind_a_busy_slot_waits_as_long_as_slot_wait_s_then_runs_cold():
+    """A cold fallback prints pytest's output, not the warm runner's: the gate's paired evaluation passes a
+    wait (queue_wait_s) that no queue of its runs can pass, so each of its runs is warm."""
+    _probe_or_skip()
+    from realtime_rl.environments.sandbox.pool import queue_wait_s
+
+    busy = {"test_b.py": "import time\n\ndef test_b():\n    time.sleep(3)\n"}
+    ok = {"test_ok.py": "def test_ok():\n    pass\n"}
+    for wait_s, warm in ((0.5, False), (queue_wait_s(2, 1, timeout_s=5.0), True)):
+        with WarmPool(SandboxConfig(wall_s=20, pool_size=1), slot_wait_s=wait_s) as one_slot, \
+                ThreadPoolExecutor(1) as other:
+            blocking = other.submit(one_slot.run_tests, busy, ["test_b.py"], timeout_s=5.0)
+            time.sleep(0.5)  # the busy run has the slot
+            report = one_slot.run_tests(ok, ["test_ok.py"])
+            assert blocking.result(timeout=30).ok and report.ok and report.warm == warm
+            assert warm or f"no warm slot became free within {wait_s:g} s" in report.fallback_reason

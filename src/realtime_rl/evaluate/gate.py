@@ -213,6 +213,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
 
     from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
     from realtime_rl.environments import Sandbox, WarmPool
+    from realtime_rl.environments.sandbox.pool import queue_wait_s
     from realtime_rl.model import load_checkpoint
 
     if threads:
@@ -222,7 +223,12 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, tasks: Sequence[Task], *, se
         raise ValueError(f"{checkpoint_dir}: the checkpoint has no tokenizer.json; the agent needs one")
     engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=concurrency, max_seq_len=agent_config.max_context_tokens,
                     seed=seed)
-    with AsyncEngine(engine, max_pending=4 * concurrency) as aengine, WarmPool(SandboxConfig(pool_size=2)) as pool:
+    # Every run gets a warm slot, however many episodes queue for one: a cold fallback's output (pytest's, with
+    # timings) would differ from the warm runner's, and the two checkpoints' episodes would no longer pair up.
+    pool_config = SandboxConfig(pool_size=2)
+    wait_s = queue_wait_s(concurrency, pool_config.pool_size, agent_config.test_timeout_s)
+    with (AsyncEngine(engine, max_pending=4 * concurrency) as aengine,
+          WarmPool(pool_config, slot_wait_s=wait_s) as pool):
         report = evaluate_policy(
             tasks, lambda k: EnginePolicy(aengine, temperature=agent_config.temperature, top_p=top_p,
                                           seed=task_seed(seed, k)),

@@ -135,6 +135,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     from realtime_rl.environments import load_tasks
     from realtime_rl.environments.policies import ModelPolicy, task_seed
     from realtime_rl.environments.sandbox import Sandbox, WarmPool
+    from realtime_rl.environments.sandbox.pool import queue_wait_s
     from realtime_rl.model import load_checkpoint
 
     assert config.tasks is not None
@@ -153,7 +154,9 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         def make_policy(i: int) -> Policy:
             return ModelPolicy(model, temperature=config.agent.temperature, seed=task_seed(config.seed, i))
 
-        with WarmPool(config.sandbox) as pool:
+        # every run warm, however long the queue (evaluate.gate says why)
+        wait_s = queue_wait_s(config.workers, config.sandbox.pool_size, config.agent.test_timeout_s)
+        with WarmPool(config.sandbox, slot_wait_s=wait_s) as pool:
             report = evaluate_policy(tasks, make_policy, ckpt.tokenizer, pool, sandbox, config.agent,
                                      config.samples, config.workers, config.include_hidden)
     out = report.to_json()

@@ -31,7 +31,8 @@ What this does NOT isolate:
 - In the WEAK tier: host files and directories readable or writable by the sandbox uid (world-writable
   /tmp, /var/tmp, /dev/shm), processes of the same uid (they can be read through /proc and signalled),
   disk space outside RLIMIT_FSIZE (many files), and detached processes that kill the subreaper first when
-  no cgroup is available; RLIMIT_NPROC counts every process of the uid, so weak sandboxes share it.
+  no cgroup is available; without a cgroup, RLIMIT_NPROC (which counts every process of the uid) is the
+  process limit, so weak sandboxes share it (with one, pids.max bounds each run and RLIMIT_NPROC is not set).
   Without root on the host there is no uid separation at all.
 - Memory without a writable cgroup: RLIMIT_AS caps each process, not their sum (bounded by max_procs).
 - The clock: the time namespace is shared. Warm-pool runs share their slot's sandbox over time (it is

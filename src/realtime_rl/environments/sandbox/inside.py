@@ -91,7 +91,7 @@ def set_rlimits(limits: dict) -> None:
     wanted = {
         resource.RLIMIT_CPU: (limits["cpu_s"], limits["cpu_s"] + 1),
         resource.RLIMIT_AS: (limits["memory_mb"] * mb,) * 2,
-        resource.RLIMIT_NPROC: (limits["max_procs"],) * 2,
+        **({} if limits["max_procs"] is None else {resource.RLIMIT_NPROC: (limits["max_procs"],) * 2}),
         resource.RLIMIT_FSIZE: (limits["file_size_mb"] * mb,) * 2,
         resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
         resource.RLIMIT_CORE: (0, 0),

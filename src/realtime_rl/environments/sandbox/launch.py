@@ -76,8 +76,10 @@ def b64_files(files: Mapping[str, bytes]) -> list[list[str]]:
     return [[name, base64.b64encode(data).decode()] for name, data in files.items()]
 
 
-def limits(config: SandboxConfig) -> dict:
-    return {"cpu_s": config.cpu_s, "memory_mb": config.memory_mb, "max_procs": config.max_procs,
+def limits(config: SandboxConfig, nproc_rlimit: bool = True) -> dict:
+    """The rlimits inside.py sets; `max_procs` None leaves RLIMIT_NPROC alone (SandboxProcess.nproc_rlimit)."""
+    return {"cpu_s": config.cpu_s, "memory_mb": config.memory_mb,
+            "max_procs": config.max_procs if nproc_rlimit else None,
             "file_size_mb": config.file_size_mb, "open_files": config.open_files}
 
 
@@ -157,6 +159,10 @@ class SandboxProcess:
             if probe.cgroups.version:
                 # pids.max also covers the two bubblewrap processes (the monitor and the namespace's init)
                 self.cgroup = RunCgroup.create(probe.cgroups, config.memory_mb, config.max_procs + 2)
+            # RLIMIT_NPROC counts every process of the uid: in the WEAK tier (no user namespace) that is every
+            # weak sandbox's and every FULL one's of the same uid, so one run's fork bomb (or many runs) made
+            # the others' forks fail. Where the run has its own cgroup, pids.max bounds it alone instead.
+            self.nproc_rlimit = self.full or self.cgroup is None
             uid, gid = probe.uid, probe.gid
             ro_files = dict(ro_files or {})
             if self.full:
@@ -177,7 +183,7 @@ class SandboxProcess:
                 fds.append(report_w)
                 header = {**header, "report_fd": report_w}
             header = {"workdir": workdir, "seccomp": probe.seccomp, "deny_network": not self.full,
-                      "reaper": not self.full, "limits": limits(config), **header}
+                      "reaper": not self.full, "limits": limits(config, self.nproc_rlimit), **header}
             argv = [*(GATE if self.cgroup else []), *argv, PYTHON, "-I", "-c", INSIDE_SOURCE]
             user: dict = {}
             if os.geteuid() == 0 and SETPRIV:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import queue
 import select
@@ -113,12 +114,26 @@ class Slot:
         return reply
 
 
-class WarmPool:
-    """`config.pool_size` warm slots; `run_tests` is thread-safe. Use as a context manager or call close()."""
+def queue_wait_s(callers: int, pool_size: int, timeout_s: float) -> float:
+    """The longest a run can wait for a slot when at most `callers` threads run tests of at most `timeout_s`
+    each on `pool_size` slots: every run ahead of it ends within its timeout plus the reply's grace (a slot
+    that does not reply is killed and its place taken by a fresh one)."""
+    return math.ceil(max(callers - 1, 0) / pool_size) * (START_TIMEOUT_S + 10 + timeout_s + REPLY_GRACE_S) + 1.0
 
-    def __init__(self, config: SandboxConfig | None = None, *, sandbox: Sandbox | None = None) -> None:
+
+class WarmPool:
+    """`config.pool_size` warm slots; `run_tests` is thread-safe. Use as a context manager or call close().
+
+    A run waits up to `slot_wait_s` (default `config.wall_s`) for a free slot, then runs cold. A cold run's
+    output is pytest's, not the warm runner's, so a caller whose model reads the output and must see the same
+    for the same code (the gate's paired evaluation) passes a wait no queue of its runs can pass:
+    `queue_wait_s`. A run's deadline starts once it has a slot: waiting for one never times a solution out."""
+
+    def __init__(self, config: SandboxConfig | None = None, *, sandbox: Sandbox | None = None,
+                 slot_wait_s: float | None = None) -> None:
         self.sandbox = sandbox or Sandbox(config)
         self.config = self.sandbox.config
+        self.slot_wait_s = self.config.wall_s if slot_wait_s is None else slot_wait_s
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtrl-warm-slots")
         self._idle: queue.Queue[Slot | None] = queue.Queue()
         self._closed = False
@@ -141,15 +156,16 @@ class WarmPool:
         tests = check_tests(encoded, test_files)
         timeout = self.sandbox.resolve_timeout(timeout_s)
         try:
-            slot = self._idle.get(timeout=self.config.wall_s)
+            slot = self._idle.get(timeout=self.slot_wait_s)
         except queue.Empty:
-            return self._cold(files, tests, time.monotonic() + timeout, "no warm slot became free within wall_s")
+            return self._cold(files, tests, time.monotonic() + timeout,
+                              f"no warm slot became free within {self.slot_wait_s:g} s")
         deadline = time.monotonic() + timeout  # the run's, from here: a cold fallback gets what is left of it
         healthy = None
         try:
             slot = slot or self._start()
             reply = slot.request({"files": b64_files(encoded), "test_files": tests, "timeout_s": timeout,
-                                  "output_bytes": self.config.output_bytes, "limits": limits(self.config)},
+                                  "output_bytes": self.config.output_bytes, "limits": limits(self.config, slot.process.nproc_rlimit)},
                                  timeout + REPLY_GRACE_S)
             healthy = slot
         except (SlotError, OSError, TimeoutError) as e:
