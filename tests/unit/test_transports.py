@@ -127,6 +127,31 @@ def test_a_stalled_call_times_out_with_a_clear_error():
         with_timeout(lambda: {}["x"], 1.0, "a failing call")   # errors come back to the caller
 
 
+def test_calls_on_a_root_whose_earlier_calls_hang_fail_at_once_without_another_thread(tmp_path):
+    """The hung threads cannot be stopped: a subscriber polling a hung share left one more behind each poll."""
+    from realtime_rl.deploy.transports.filesystem import MAX_HUNG_CALLS
+
+    mount = threading.Event()  # set: the mount answers again
+    for _ in range(MAX_HUNG_CALLS):
+        with pytest.raises(TransportError, match="did not finish"):
+            with_timeout(lambda: mount.wait(30), 0.05, "listing", tmp_path)
+    threads = threading.active_count()
+    with pytest.raises(TransportError, match=f"not tried, {MAX_HUNG_CALLS} earlier calls on .* still hung"):
+        with_timeout(lambda: 1, 5.0, "listing", tmp_path)
+    assert threading.active_count() == threads
+    assert with_timeout(lambda: 2, 5.0, "listing", tmp_path / "other") == 2  # another root is not held up
+    mount.set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the hung calls finish, and with them the refusal
+        try:
+            assert with_timeout(lambda: 3, 5.0, "listing", tmp_path) == 3
+            break
+        except TransportError:
+            time.sleep(0.01)
+    else:
+        pytest.fail("calls on the root were still refused after the hung ones finished")
+
+
 # ------------------------------------------------------------------------------------------------ http
 
 @pytest.fixture

@@ -9,7 +9,9 @@ directory a killed publish or remove left behind is swept when a transport next 
 ABANDONED_AFTER_S old (a publish still writing, even a slow one on another host, is never that old). Works on a
 local disk or a shared filesystem (NFS, a mounted bucket); each call runs on a helper thread and
 gives up with TransportError after `timeout_s`, so a hung mount cannot hang the caller. The helper
-thread cannot be stopped: a publish given up on may still rename its version into place later.
+thread cannot be stopped: a publish given up on may still rename its version into place later. While
+MAX_HUNG_CALLS calls on a root hang, further calls on it fail at once, so a hung mount holds a few threads,
+not one per poll.
 """
 
 from __future__ import annotations
@@ -35,10 +37,24 @@ ABANDONED_AFTER_S = 3600.0
 log = logging.getLogger(__name__)
 
 
-def with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Run fn on a daemon thread; TransportError if it has not finished within timeout_s."""
+MAX_HUNG_CALLS = 4
+"""Calls on one root that timed out and are still running (their threads cannot be stopped): past this, a call
+on that root fails at once instead of leaving one more thread blocked on the mount (a subscriber polling a hung
+share every few seconds used to pile one up per poll)."""
+_hung: dict[str, int] = {}
+_hung_lock = threading.Lock()
+
+
+def with_timeout(fn: Callable[[], T], timeout_s: float, what: str, root: str | os.PathLike | None = None) -> T:
+    """Run fn on a daemon thread; TransportError if it has not finished within timeout_s, or at once while
+    MAX_HUNG_CALLS earlier calls on `root` are still hung."""
+    key = None if root is None else os.fspath(root)
     result: dict[str, object] = {}
     done = threading.Event()
+    with _hung_lock:
+        if key is not None and _hung.get(key, 0) >= MAX_HUNG_CALLS:
+            raise TransportError(f"{what}: not tried, {_hung[key]} earlier calls on {key} are still hung "
+                                 "(the mount does not answer)")
 
     def run() -> None:
         try:
@@ -46,11 +62,19 @@ def with_timeout(fn: Callable[[], T], timeout_s: float, what: str) -> T:
         except BaseException as exc:  # re-raised on the caller's thread
             result["error"] = exc
         finally:
-            done.set()
+            with _hung_lock:
+                done.set()
+                if result.pop("hung", False):
+                    _hung[key] -= 1
 
     threading.Thread(target=run, name=f"transport: {what}", daemon=True).start()
     if not done.wait(timeout_s):
-        raise TransportError(f"{what} did not finish within {timeout_s:g} s")
+        with _hung_lock:
+            if not done.is_set():  # it may have finished since the wait gave up: then it is not hung
+                if key is not None:
+                    result["hung"] = True
+                    _hung[key] = _hung.get(key, 0) + 1
+                raise TransportError(f"{what} did not finish within {timeout_s:g} s")
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
     return result["value"]  # type: ignore[return-value]
@@ -83,9 +107,10 @@ class FilesystemTransport(WeightTransport):
         self.root = Path(root)
         self.timeout_s = timeout_s
         # Bounded like every call: a hung share fails here, in timeout_s, instead of blocking forever.
-        with_timeout(lambda: self.root.mkdir(parents=True, exist_ok=True), timeout_s, f"creating {self.root}")
+        with_timeout(lambda: self.root.mkdir(parents=True, exist_ok=True), timeout_s, f"creating {self.root}",
+                     self.root)
         try:
-            with_timeout(self.sweep, timeout_s, f"sweeping {self.root}")
+            with_timeout(self.sweep, timeout_s, f"sweeping {self.root}", self.root)
         except (TransportError, OSError) as exc:  # a failing share: the next open tries again
             log.warning("could not sweep abandoned directories from %s: %s", self.root, exc)
 
@@ -134,7 +159,7 @@ class FilesystemTransport(WeightTransport):
                 raise
             self.commit(staging, version)
 
-        with_timeout(write, self.timeout_s, f"publishing version {version} to {self.root}")
+        with_timeout(write, self.timeout_s, f"publishing version {version} to {self.root}", self.root)
 
     def versions(self) -> dict[int, list[str]]:
         def scan() -> dict[int, list[str]]:
@@ -151,7 +176,7 @@ class FilesystemTransport(WeightTransport):
                 raise TransportError(f"listing {self.root}: {exc}") from exc
             return out
 
-        return with_timeout(scan, self.timeout_s, f"listing {self.root}")
+        return with_timeout(scan, self.timeout_s, f"listing {self.root}", self.root)
 
     def fetch(self, version: int, kind: str) -> bytes:
         path = self.blob_path(version, kind)
@@ -164,7 +189,7 @@ class FilesystemTransport(WeightTransport):
             except OSError as exc:
                 raise TransportError(f"reading {path}: {exc}") from exc
 
-        return with_timeout(read, self.timeout_s, f"reading {path}")
+        return with_timeout(read, self.timeout_s, f"reading {path}", self.root)
 
     def remove(self, version: int) -> None:
         def drop() -> None:
@@ -175,4 +200,4 @@ class FilesystemTransport(WeightTransport):
                 return
             shutil.rmtree(trash, ignore_errors=True)
 
-        with_timeout(drop, self.timeout_s, f"removing version {version} from {self.root}")
+        with_timeout(drop, self.timeout_s, f"removing version {version} from {self.root}", self.root)
