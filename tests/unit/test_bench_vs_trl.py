@@ -111,6 +111,23 @@ def test_task_ranges_are_checked_before_anything_runs():
         check_task_ranges(1000, 4, 200)  # the training stream would run into the evaluation's tasks
 
 
+def test_tasks_ours_handed_out_past_its_steps_are_checked_against_the_evaluations(tmp_path):
+    """A group dropped as stale, refused or failed moves ours' task stream on by one: steps x tasks_per_step
+    (check_task_ranges) is not where the stream ended."""
+    from realtime_rl.bench.vs_trl import EVAL_START, EVAL_TASKS, TASK_START, check_trained_tasks, ours_recipe
+    from realtime_rl.rollout import TrajectoryLog
+
+    config = ours_recipe(setup=FULL)
+    config = config.model_copy(update={"run_dir": tmp_path, "rollout": config.rollout.model_copy(
+        update={"max_difficulty": 1, "first_task": TASK_START})})
+    log = TrajectoryLog(tmp_path / "trajectories")
+    log.hand_out(EVAL_START - TASK_START)  # up to the task before the evaluation's: fine
+    assert check_trained_tasks(config, EVAL_TASKS) == EVAL_START - TASK_START
+    log.hand_out(EVAL_START - TASK_START + 3)  # three more groups than the steps took
+    with pytest.raises(ValueError, match=f"trained 3 of the evaluation's, from {EVAL_START}"):
+        check_trained_tasks(config, EVAL_TASKS)
+
+
 def test_set_may_change_only_how_ours_uses_the_machine():
     from realtime_rl.bench import run_benchmark
     from realtime_rl.bench.vs_trl import ours_recipe

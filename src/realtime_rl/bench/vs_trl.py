@@ -280,7 +280,7 @@ def ours_recipe(overrides: Sequence[str] = (), setup: Setup = FULL) -> TrainConf
 
 
 def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
-             config: TrainConfig) -> dict[str, Any]:
+             config: TrainConfig, eval_tasks: int) -> dict[str, Any]:
     """Ours' side on `config` (from ours_recipe), with the bench's tasks, sampling and algorithm."""
     from realtime_rl.rollout import train
 
@@ -299,6 +299,7 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
                                                      "temperature": 1.0, "agent": setup.agent}),
     })
     summary = train(config, show_progress=False)
+    handed_out = check_trained_tasks(config, eval_tasks)
     history = summary["history"]
     minutes = [m["train/minutes"] for m in history]
     first = summary["version"] - len(history)
@@ -308,7 +309,8 @@ def run_ours(base: Path, run_dir: Path, setup: Setup, steps: int, budget: float,
             "step_minutes": minutes, "pass_rates": [m["train/pass_rate"] for m in history],
             "trainer_idle_fraction": summary["trainer_idle_fraction"],
             "rollout_tokens_per_s": summary["rollout_tokens_per_s"], "max_staleness": config.max_staleness,
-            "rollout_workers": config.rollout.workers, "dropped_stale_groups": summary["dropped_stale_groups"]}
+            "rollout_workers": config.rollout.workers, "dropped_stale_groups": summary["dropped_stale_groups"],
+            "tasks_handed_out": handed_out}
 
 
 # ------------------------------------------------------------------------------------------- TRL
@@ -418,6 +420,25 @@ def check_task_ranges(steps: int, tasks_per_step: int, eval_tasks: int) -> None:
                          f"{available} distinct train tasks of difficulty 1")
 
 
+def check_trained_tasks(config: TrainConfig, eval_tasks: int) -> int:
+    """After ours' run: the tasks it handed out (trajectories/tasks_handed_out) are none of the evaluation's.
+    check_task_ranges counts steps x tasks_per_step, but a group dropped as stale, refused or failed moves the
+    stream on by one task, which could reach EVAL_START; the evaluation would then measure trained tasks. The
+    number handed out."""
+    from realtime_rl.rollout import TrajectoryLog
+    from realtime_rl.rollout.orchestrator import task_difficulty, task_index
+
+    handed_out = TrajectoryLog(Path(config.run_dir) / "trajectories").tasks_handed_out() or 0
+    trained = {task_index(k, config.rollout) for k in range(handed_out)
+               if task_difficulty(k, config.rollout) == 1}
+    shared = sorted(trained & set(range(EVAL_START, EVAL_START + eval_tasks)))
+    if shared:
+        raise ValueError(f"vs-trl: ours' run handed out {handed_out} tasks (groups dropped, refused or failed move "
+                         f"the stream on), and trained {len(shared)} of the evaluation's, from {shared[0]}: "
+                         "shorten RTRL_BENCH_MINUTES or lower max_staleness")
+    return handed_out
+
+
 def demo_base() -> Path:
     from realtime_rl.config.demo import DemoConfig
     from realtime_rl.train import ensure_base_model
@@ -444,7 +465,7 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         else:
             base = demo_base()
         threads = torch.get_num_threads()
-        ours = run_ours(base, tmp / "ours", setup, steps, budget, recipe)
+        ours = run_ours(base, tmp / "ours", setup, steps, budget, recipe, eval_tasks)
         trl = run_trl(base, tmp / "trl", setup, steps, budget, threads=max(2, threads))
         torch.set_num_threads(threads)
         base_eval = pass_at_1(base, eval_tasks, setup.agent)
@@ -490,5 +511,6 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "ours_trainer_idle_fraction": ours["trainer_idle_fraction"],
         "ours_max_staleness": ours["max_staleness"],
         "ours_dropped_stale_groups": ours["dropped_stale_groups"],
+        "ours_tasks_handed_out": ours["tasks_handed_out"],
         "ours_rollout_workers": ours["rollout_workers"],
     }
