@@ -84,7 +84,8 @@ def test_answers_are_read_like_a_harness_reads_them():
     assert read_answer("Here.", [call("read_file", path="a.py"), call("edit_file", path="a.py", old="a",
                                                                        new="b")]).kind == "edit"
     assert read_answer(None, [call("ask_user", question="Sorted?")]).kind == "question"
-    assert read_answer(None, [call("run_tests")]).kind == "other"
+    assert read_answer(None, [call("run_tests")]).kind == "working"  # the harness runs it; no user turn
+    assert read_answer(None, [call("submit")]).kind == "other"
     assert read_answer("I would write a loop.", None).kind == "other"
     broken = read_answer('<tool_call>\n{"name": "write_file", "arguments": {"path": "a.py"}\n</tool_call>', None)
     assert broken.kind == "malformed" and [e.kind for e in broken.errors] == ["bad_json"]
@@ -160,6 +161,22 @@ def test_a_malformed_call_is_reported_with_its_tool_and_error(task):
     assert "broken" in r.reply
     quiet = react(profile(p_malformed_complaint=0.0), answer, None, task, 1, random.Random(0))
     assert types(quiet) == ["tool_call_error"] and quiet.reply is None
+
+
+def test_a_turn_that_only_inspects_is_answered_by_the_harness_not_the_user(task):
+    """The system prompt asks the agent to read the task and run the tests: doing so is no unhappy turn."""
+    from realtime_rl.environments.users import followup_messages
+    from realtime_rl.environments.tools import ToolOutcome
+
+    answer = read_answer("Let me look first.", [call("read_file", path=task.solution_files[0]), call("run_tests")])
+    r = react(profile(), answer, None, task, 1, random.Random(0))
+    assert answer.kind == "working" and r.verdict == "working" and r.events == [] and r.continues
+    assert not react(profile(), answer, None, task, 0, random.Random(0)).continues  # patience spent: it ends
+    results = {c.id: ToolOutcome(f"out {c.function.name}") for c in answer.tool_calls}
+    messages = followup_messages(answer, results, r.reply)
+    assert [m["role"] for m in messages] == ["assistant", "tool", "tool"]  # no user message
+    submitted = read_answer(None, [call("read_file", path="a.py"), call("submit")])
+    assert submitted.kind == "other"  # submitting without an edit is not work in progress
 
 
 def test_anything_else_is_a_dissatisfied_followup(task):

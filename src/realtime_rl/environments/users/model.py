@@ -1,7 +1,7 @@
 """What a simulated user is, how it reads an answer, and what it does about it: pure functions, no I/O.
 
     users = make_users(config)                                   # stable ids, style preference, patience
-    answer = read_answer(content, tool_calls)                   # edit | question | malformed | other
+    answer = read_answer(content, tool_calls)                   # edit | question | working | malformed | other
     outcome = EditOutcome(passed, failed, errors, style_violation(user.preference, touched_files))
     reaction = react(user, answer, outcome, task, turns_left, rng)
     reaction.events                                             # feedback to send now or after a delay
@@ -15,6 +15,9 @@ The reactions, by answer:
 - an edit that fails: edit_accepted, edit_reverted, followup_dissatisfied, and (while patience lasts and
   followup_on_failure) a follow-up saying the tests fail;
 - ask_user: followup_neutral, and the user answers the question (the next completion is treated alike);
+- only tools that inspect (list_files, read_file, run_tests): no event; the user's harness sends their results
+  back and asks for the next completion, as an agent product does (the system prompt asks the agent to read
+  the task and run the tests), without a user message;
 - a malformed tool call (the gateway answered it as content): tool_call_error per broken call, and with
   probability p_malformed_complaint a followup_dissatisfied with a follow-up asking to retry;
 - anything else: followup_dissatisfied and a follow-up asking for the change.
@@ -34,12 +37,12 @@ from typing import Literal
 
 from realtime_rl.config.users import SimulateUsersConfig, StylePreference
 from realtime_rl.environments.tasks import Task
-from realtime_rl.environments.tools import EDIT_TOOLS, QUESTION_TOOL, TOOL_SCHEMAS
+from realtime_rl.environments.tools import EDIT_TOOLS, INSPECT_TOOLS, QUESTION_TOOL, TOOL_SCHEMAS
 from realtime_rl.model.chat import parse_assistant
 from realtime_rl.types import ToolCall, ToolCallError
 
-AnswerKind = Literal["edit", "question", "malformed", "other"]
-Verdict = Literal["kept", "reverted", "failed", "question", "malformed", "other"]
+AnswerKind = Literal["edit", "question", "working", "malformed", "other"]
+Verdict = Literal["kept", "reverted", "failed", "question", "working", "malformed", "other"]
 NEUTRAL_ANSWER = "No further constraints: follow the instructions and make the visible tests pass."
 _TOOL_NAME = re.compile(r'"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
 
@@ -90,7 +93,8 @@ def read_answer(content: str | None, tool_calls: list[ToolCall] | None) -> Answe
     message with any malformed call as plain content; the harness parses that content to report the error."""
     if tool_calls:
         names = {c.function.name for c in tool_calls}
-        kind: AnswerKind = "edit" if names & EDIT_TOOLS else "question" if QUESTION_TOOL in names else "other"
+        kind: AnswerKind = ("edit" if names & EDIT_TOOLS else "question" if QUESTION_TOOL in names
+                            else "working" if names <= INSPECT_TOOLS else "other")
         return Answer(kind, content, list(tool_calls))
     errors = parse_assistant(content or "", TOOL_SCHEMAS).errors
     return Answer("malformed" if errors else "other", content, errors=errors)
@@ -175,9 +179,12 @@ class Reaction:
     verdict: Verdict
     events: list[PlannedEvent]
     reply: str | None
-    """The user's next message in the session (the answer to ask_user, else a follow-up); None: the session ends."""
+    """The user's next message in the session (the answer to ask_user, else a follow-up); None: the session ends,
+    unless `continues`."""
     revert: bool = False
     """The user undid the edit: the workspace goes back to what it was before it."""
+    continues: bool = False
+    """The harness asks for the next completion with the tool results and no user message (a "working" answer)."""
 
 
 def react(user: UserProfile, answer: Answer, outcome: EditOutcome | None, task: Task, turns_left: int,
@@ -205,6 +212,8 @@ def react(user: UserProfile, answer: Answer, outcome: EditOutcome | None, task: 
         return Reaction("failed", events, reply, revert=True)
     if answer.kind == "question":
         return Reaction("question", [PlannedEvent("followup_neutral")], NEUTRAL_ANSWER if can_reply else None)
+    if answer.kind == "working":
+        return Reaction("working", [], None, continues=can_reply)
     if answer.kind == "malformed":
         events = [PlannedEvent("tool_call_error", tool_name=broken_tool_name(e), error_type=e.kind)
                   for e in answer.errors]

@@ -136,7 +136,7 @@ def summarize(stats: Stats, users: int, elapsed_s: float, censored: int) -> dict
         "users": users, "sessions": c["sessions"], "completions": c["completions"], "edits": c["answers/edit"],
         "edits_passed": c["edits_passed"], "kept": sent.get("edit_persisted", 0),
         "reverted": sent.get("edit_reverted", 0), "questions": c["answers/question"],
-        "malformed": c["answers/malformed"], "other": c["answers/other"],
+        "working": c["answers/working"], "malformed": c["answers/malformed"], "other": c["answers/other"],
         "dissatisfied": sent.get("followup_dissatisfied", 0),
         "errors": c["errors"] + c["feedback_lost"] + c["feedback_refused"],
         "requests_per_s": c["completions"] / elapsed_s if elapsed_s > 0 else 0.0,
@@ -149,8 +149,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title="simulated users")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("sessions", "completions", "edits", "kept", "reverted", "questions", "malformed", "dissatisfied",
-                "errors", "censored"):
+    for key in ("sessions", "completions", "edits", "kept", "reverted", "questions", "working", "malformed",
+                "dissatisfied", "errors", "censored"):
         table.add_row(key, str(summary[key]))
     table.add_row("requests/s", f"{summary['requests_per_s']:.2f}")
     return table

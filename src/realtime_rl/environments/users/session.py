@@ -251,7 +251,7 @@ class SimulatedUser:
             self._send(reaction.events, user, session_id, completion_id, attributes)
             if reaction.revert:
                 workspace.files = before
-            if reaction.reply is None:
+            if reaction.reply is None and not reaction.continues:
                 break
             messages += followup_messages(answer, results, reaction.reply)
         now = time.time()
@@ -300,10 +300,11 @@ class SimulatedUser:
                 self.delayed.schedule(now + delay, w)
 
 
-def followup_messages(answer: Answer, results: dict[str, ToolOutcome], reply: str) -> list[dict[str, Any]]:
+def followup_messages(answer: Answer, results: dict[str, ToolOutcome],
+                      reply: str | None) -> list[dict[str, Any]]:
     """What a user appends to the conversation to ask for the next completion: the assistant's message, a tool
-    message per call, and the user's reply (as the answer to ask_user when the assistant asked, else as a
-    user message). The pre-training corpus builds its follow-up documents with it (train/corpus.py)."""
+    message per call, and the user's reply (as the answer to ask_user when the assistant asked, none after a
+    "working" answer, else as a user message). The pre-training corpus builds its follow-up documents with it (train/corpus.py)."""
     assistant: dict[str, Any] = {"role": "assistant", "content": answer.content}
     if answer.tool_calls:
         assistant["tool_calls"] = [c.model_dump() for c in answer.tool_calls]
@@ -313,7 +314,7 @@ def followup_messages(answer: Answer, results: dict[str, ToolOutcome], reply: st
     for call in answer.tool_calls:
         content = reply if call.function.name == QUESTION_TOOL else results[call.id].content
         out.append({"role": "tool", "tool_call_id": call.id, "content": content})
-    if answer.kind != "question":
+    if answer.kind not in ("question", "working"):
         out.append({"role": "user", "content": reply})
     return out
 
