@@ -599,3 +599,38 @@ def test_a_ray_group_that_raises_is_a_failure_and_the_actor_goes_on(tmp_path, ti
             backend.close()
     finally:
         ray.shutdown()
+
+
+class _Recording(LocalBackend):
+    """Real workers; every group poll() returns is kept in `groups`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups: list[list[Episode]] = []
+
+    def poll(self, timeout_s: float) -> list[list[Episode]]:
+        groups = super().poll(timeout_s)
+        self.groups += groups
+        return groups
+
+
+def test_a_synchronous_run_with_more_workers_than_groups_spreads_each_group_over_them(tmp_path, tiny_checkpoint,
+                                                                                     monkeypatch):
+    """One group a step, staleness 0, two workers: each group's two episodes run one on each worker (a group on
+    one worker left the other idle) and come back as one group, in index order."""
+    from realtime_rl.rollout.orchestrator import shards_per_group
+
+    backends = _run_with(monkeypatch, _Recording)
+    config = _config(tmp_path / "run", tiny_checkpoint, steps=2, max_staleness=0)
+    config = config.model_copy(update={
+        "rl": config.rl.model_copy(update={"groups_per_step": 1}),
+        "rollout": config.rollout.model_copy(update={"workers": 2, "episodes_in_flight": 2})})
+    assert shards_per_group(config) == 2
+    assert train(config, show_progress=False)["version"] == 2
+    groups = backends[0].groups
+    assert len(groups) == 2 and backends[0].in_flight == 0
+    for group in groups:
+        assert [e.episode_id for e in group] == [f"{group[0].group_id}-{i}" for i in range(2)]
+        assert sorted(e.metadata["worker"] for e in group) == [0, 1]
+    trained = TrajectoryLog(tmp_path / "run" / "trajectories").trained_ids()
+    assert sorted(trained) == sorted(e.episode_id for g in groups for e in g)

@@ -32,6 +32,7 @@ import torch
 
 from realtime_rl.bench.learn import base_and_recipe
 from realtime_rl.rollout import train
+from realtime_rl.rollout.orchestrator import shards_per_group
 from realtime_rl.train.base_eval import heldout_pass_at_1
 
 EVAL_TASKS = 100
@@ -88,10 +89,13 @@ def run(quick: bool = False, overrides: Sequence[str] = ()) -> dict[str, Any]:
         "tool_latency_s": latency,
         "episodes_in_flight": in_flight,  # per rollout worker (rollout.episodes_in_flight)
         "episodes_in_flight_total": in_flight * config.rollout.workers,
-        # A group runs on one worker, and staleness 0 admits one step's groups at a time: with more workers than
-        # groups_per_step the synchronous run leaves the rest idle, and part of the speedup is those workers.
+        # Staleness 0 admits one step's groups at a time: with more workers than groups_per_step each group is
+        # spread over shards_per_group workers (before 2026-12-03 a group ran on one worker, and the synchronous
+        # run left the rest idle: part of those speedups was idle workers).
         "sync_groups_in_flight_max": config.rl.groups_per_step,
         "async_groups_in_flight_max": (bound + 1) * config.rl.groups_per_step,
+        "sync_shards_per_group": shards_per_group(config.model_copy(update={"max_staleness": 0})),
+        "async_shards_per_group": shards_per_group(config.model_copy(update={"max_staleness": bound})),
         "eval_tasks": eval_tasks,
         "rollout_workers": config.rollout.workers,
         "trainer_device": f"{config.rl.device} {config.rl.dtype}",

@@ -225,6 +225,10 @@ class RolloutConfig(StrictModel):
     """Groups each worker holds beyond those its episodes in flight run at once: their episodes start as
     episodes of earlier groups finish, so a group's last long episodes do not leave the engine's batch
     nearly empty. Within the staleness bound (admission still asks StalenessBuffer.may_start)."""
+    shards_per_group: int | None = Field(None, ge=1, le=4096)
+    """Workers one group's episodes are spread over (each shard shares its own prompt prefill). None: as many
+    as keep every worker busy when the groups that may be in flight ((max_staleness + 1) x groups_per_step)
+    are fewer than the workers (a synchronous run of 4 groups a step on 12 workers: 3 each), else 1."""
     threads_per_worker: int = Field(1, ge=1, le=256)
     """torch threads in each worker."""
     max_difficulty: int = Field(2, ge=1, le=4)

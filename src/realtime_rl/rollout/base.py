@@ -8,14 +8,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from realtime_rl.config import RolloutConfig
-from realtime_rl.rollout.worker import GroupJob
+from realtime_rl.rollout.worker import GroupJob, shard
 from realtime_rl.types import Episode
+
+
+@dataclass
+class _Group:
+    left: int
+    """Shards not back yet."""
+    episodes: dict[int, Episode] = field(default_factory=dict)
+    error: tuple[int, str] | None = None
+    """(worker, error) of the first shard that raised."""
 
 
 @dataclass(frozen=True)
@@ -51,25 +60,62 @@ def groups_per_worker(config: RolloutConfig, group_size: int) -> int:
 
 
 class RolloutBackend(ABC):
+    """Starts workers, spreads each group over `shards` of them (least loaded first, by episodes) and puts
+    the group back together from its shards; a subclass only sends a shard job to a worker (`_send`) and
+    receives finished or failed ones (`_receive`)."""
+
     def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0) -> None:
         self.config = config
         self.checkpoint_dir = Path(checkpoint_dir)
         self.group_size = group_size
         self.seed = seed
-        self._load = [0] * config.workers  # groups in flight per worker
+        self.shards = 1
+        """Workers each group's episodes are spread over (the orchestrator sets it: `shards_per_group`)."""
+        self._load = [0] * config.workers  # episodes in flight per worker
         self._reports: list[dict[str, float]] = [{} for _ in range(config.workers)]  # each worker's latest report
         self.last_publish = None  # realtime_rl.deploy.PublishStats of the newest publish
         self._failed: list[GroupFailed] = []  # groups poll() found failed, until failures() hands them over
+        self._groups: dict[str, _Group] = {}  # group id -> its shards' results so far, while in flight
 
     @property
     def capacity(self) -> int:
         """Groups that may be in flight at once across all workers."""
         return self.config.workers * groups_per_worker(self.config, self.group_size)
 
-    def _least_loaded(self) -> int:
-        wid = min(range(len(self._load)), key=self._load.__getitem__)
-        self._load[wid] += 1
-        return wid
+    @property
+    def in_flight(self) -> int:
+        """Groups submitted and not yet returned by poll() (as a group or a failure)."""
+        return len(self._groups)
+
+    def submit(self, job: GroupJob) -> None:
+        """Hand a group's shards each to the worker with the fewest episodes in flight."""
+        shards = shard(job, self.shards)
+        self._groups[job.group_id] = _Group(len(shards))
+        for part in shards:
+            wid = min(range(len(self._load)), key=self._load.__getitem__)
+            self._load[wid] += len(part.indices)
+            self._send(wid, part)
+
+    def poll(self, timeout_s: float) -> list[list[Episode]]:
+        """Finished groups, episodes in index order; waits up to timeout_s for the first shard (0: never waits).
+        A group one of whose shards raised is not among them: it goes to failures() once its shards are all
+        back. A worker that died or failed outside a group is an error."""
+        out = []
+        for wid, part, result in self._receive(timeout_s):
+            self._load[wid] -= len(part.indices)
+            group = self._groups[part.group_id]
+            group.left -= 1
+            if isinstance(result, str):
+                group.error = group.error or (wid, result)
+            else:
+                group.episodes.update(zip(part.indices, result, strict=True))
+            if not group.left:
+                del self._groups[part.group_id]
+                if group.error is not None:
+                    self._failed.append(GroupFailed(part.group_id, *group.error))
+                else:
+                    out.append([group.episodes[i] for i in sorted(group.episodes)])
+        return out
 
     def failures(self) -> list[GroupFailed]:
         """The groups found failed since the last call (by poll(); they are no longer in flight)."""
@@ -102,23 +148,18 @@ class RolloutBackend(ABC):
                 "rollout/prefill_ms": 1e3 * total["prefill_s"] / max(total["prefills"], 1),
                 "rollout/prefills_per_step": total["prefills"] / total["steps"]}
 
-    @property
-    @abstractmethod
-    def in_flight(self) -> int:
-        """Groups submitted and not yet returned by poll()."""
-
     @abstractmethod
     def start(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Start the workers on these weights (blocks until they are ready, within the config's timeout)."""
 
     @abstractmethod
-    def submit(self, job: GroupJob) -> None:
-        """Hand a group to the least-loaded worker."""
+    def _send(self, wid: int, job: GroupJob) -> None:
+        """Start a (shard) job on worker `wid`."""
 
     @abstractmethod
-    def poll(self, timeout_s: float) -> list[list[Episode]]:
-        """Finished groups; waits up to timeout_s for the first one (0: never waits). A group whose worker raised
-        is not among them: it goes to failures(). A worker that died or failed outside a group is an error."""
+    def _receive(self, timeout_s: float) -> list[tuple[int, GroupJob, list[Episode] | str]]:
+        """Jobs that ended, waiting up to timeout_s for the first: (worker id, the job, its episodes in
+        job.indices order or, where the job raised, the error's end). Updates the workers' reports."""
 
     @abstractmethod
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:

@@ -34,7 +34,7 @@ import torch
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import FilesystemTransport, WeightPublisher, WeightSubscriber
 from realtime_rl.environments.sandbox.launch import remove_tree
-from realtime_rl.rollout.base import GroupFailed, RolloutBackend, groups_per_worker, publish_dtype, short
+from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype, short
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
@@ -79,9 +79,9 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: Ro
         try:
             episodes = worker.run_group(job)
             path = write_blobs(Path(scratch) / f"group-{job.group_id}.bin", [episode_to_bytes(e) for e in episodes])
-            outbox.put(("group", worker_id, job.group_id, str(path), worker.report()))
+            outbox.put(("group", worker_id, job, str(path), worker.report()))
         except BaseException:  # the group's failure, not the worker's: the orchestrator counts it and goes on
-            outbox.put(("failed", worker_id, job.group_id, short(traceback.format_exc())))
+            outbox.put(("failed", worker_id, job, short(traceback.format_exc())))
 
     outbox.put(("ready", worker_id))
     orphaned = False
@@ -130,11 +130,6 @@ class LocalBackend(RolloutBackend):
         self._procs: list[mp.process.BaseProcess] = []
         self._scratch: list[Path] = []
         """Each worker's temporary directory: what it leaves there goes when close() has stopped it (killed too)."""
-        self._jobs: dict[str, int] = {}
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._jobs)
 
     def start(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         for wid in range(self.config.workers):
@@ -155,26 +150,20 @@ class LocalBackend(RolloutBackend):
             if message[0] == "ready":
                 ready.add(message[1])
 
-    def submit(self, job: GroupJob) -> None:
-        wid = self._least_loaded()
-        self._jobs[job.group_id] = wid
+    def _send(self, wid: int, job: GroupJob) -> None:
         self._inboxes[wid].put(("job", job))
 
-    def poll(self, timeout_s: float) -> list[list[Episode]]:
-        out: list[list[Episode]] = []
+    def _receive(self, timeout_s: float) -> list[tuple[int, GroupJob, list[Episode] | str]]:
+        out: list[tuple[int, GroupJob, list[Episode] | str]] = []
         message = self._get(timeout_s)
         while message is not None:
             if message[0] == "group":
-                _, wid, group_id, path, report = message
-                self._load[wid] -= 1
-                self._jobs.pop(group_id, None)
+                _, wid, job, path, report = message
                 self._reports[wid] = report
-                out.append([episode_from_bytes(b) for b in read_blobs(Path(path))])
+                out.append((wid, job, [episode_from_bytes(b) for b in read_blobs(Path(path))]))
             elif message[0] == "failed":
-                _, wid, group_id, error = message
-                self._load[wid] -= 1
-                self._jobs.pop(group_id, None)
-                self._failed.append(GroupFailed(group_id, wid, error))
+                _, wid, job, error = message
+                out.append((wid, job, error))
             message = self._get(0)
         return out
 

@@ -46,6 +46,14 @@ MAX_NONFINITE_STEPS = 5  # this many steps in a row whose every update was non-f
 logger = logging.getLogger(__name__)
 
 
+def shards_per_group(config: TrainConfig) -> int:
+    """Workers each group's episodes are spread over (`rollout.shards_per_group`; see there for None)."""
+    rollout, rl = config.rollout, config.rl
+    if rollout.shards_per_group is not None:
+        return min(rollout.shards_per_group, rl.group_size)
+    return max(1, min(rl.group_size, rollout.workers // ((config.max_staleness + 1) * rl.groups_per_step)))
+
+
 def make_backend(config: TrainConfig, checkpoint_dir: Path) -> RolloutBackend:
     rollout = config.rollout
     if rollout.prefix_max_age is None:
@@ -134,6 +142,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
     for group in pending:
         buffer.add(group)
     backend = make_backend(config, base)
+    backend.shards = shards_per_group(config)
     admitted: dict[str, int] = {}  # group id -> the trainer's version at admission, while in flight
 
     def fail(failure: GroupFailed) -> None:

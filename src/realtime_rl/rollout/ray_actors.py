@@ -27,7 +27,7 @@ import torch
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import TransportError, WeightPublisher, WeightSubscriber
 from realtime_rl.environments.sandbox.launch import remove_tree
-from realtime_rl.rollout.base import GroupFailed, RolloutBackend, groups_per_worker, publish_dtype, short
+from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype, short
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
@@ -83,14 +83,10 @@ class RayBackend(RolloutBackend):
         self.ray = ray
         self._actors: list = []
         self._where: list[tuple[str, str] | None] = []  # each actor's node id and scratch directory there
-        self._pending: dict = {}  # ObjectRef -> (worker id, group id)
+        self._pending: dict = {}  # ObjectRef -> (worker id, the job)
         self._weights = f"rtrl-weights-{uuid.uuid4().hex[:12]}"  # this run's weight directory actor
         self._publisher: WeightPublisher | None = None
         self._started_ray = False  # a local Ray this backend started, shut down by close()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
 
     def start(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         ray = self.ray
@@ -129,27 +125,25 @@ class RayBackend(RolloutBackend):
                 f" the cluster has {ray.available_resources()} free; lower rollout.workers or add nodes")
         self.publish(state, version)
 
-    def submit(self, job: GroupJob) -> None:
-        wid = self._least_loaded()
-        self._pending[self._actors[wid].run_group.remote(job)] = wid, job.group_id
+    def _send(self, wid: int, job: GroupJob) -> None:
+        self._pending[self._actors[wid].run_group.remote(job)] = wid, job
 
-    def poll(self, timeout_s: float) -> list[list[Episode]]:
+    def _receive(self, timeout_s: float) -> list[tuple[int, GroupJob, list[Episode] | str]]:
         if not self._pending:
             time.sleep(min(timeout_s, 0.05))
             return []
         first, _ = self.ray.wait(list(self._pending), num_returns=1, timeout=max(0.0, timeout_s))
         done = self.ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)[0] if first else []
-        out = []
+        out: list[tuple[int, GroupJob, list[Episode] | str]] = []
         for ref in done:
-            wid, group_id = self._pending.pop(ref)
-            self._load[wid] -= 1
+            wid, job = self._pending.pop(ref)
             try:
                 blobs, report = self.ray.get(ref, timeout=self.config.timeout_s)
             except self.ray.exceptions.RayTaskError as exc:  # run_group raised: the group failed, not the actor
-                self._failed.append(GroupFailed(group_id, wid, short(str(exc))))
+                out.append((wid, job, short(str(exc))))
                 continue  # an actor that died (RayActorError) or a get that timed out is the run's error
             self._reports[wid] = report
-            out.append([episode_from_bytes(b) for b in blobs])
+            out.append((wid, job, [episode_from_bytes(b) for b in blobs]))
         return out
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,22 @@ class GroupJob:
     seed: int
     started_version: int
     """The trainer's version when the orchestrator admitted the group (for staleness accounting)."""
+    episodes: tuple[int, ...] | None = None
+    """The indices of the group's episodes this job runs (None: all group_size). A group spread over workers is one
+    job per shard; episode i samples with the same seeds on whichever worker runs it."""
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(range(self.group_size)) if self.episodes is None else self.episodes
+
+
+def shard(job: GroupJob, shards: int) -> list[GroupJob]:
+    """The job as `shards` jobs (at most one per episode) of consecutive episode indices, sizes within one."""
+    shards = max(1, min(shards, job.group_size))
+    if shards == 1:
+        return [job]
+    bounds = [round(k * job.group_size / shards) for k in range(shards + 1)]
+    return [replace(job, episodes=tuple(range(bounds[k], bounds[k + 1]))) for k in range(shards)]
 
 
 HOLDING_STRIDE = 1_000_003
@@ -130,8 +146,9 @@ class RolloutWorker:
         self.engine.update_weights(state, version)
 
     def run_group(self, job: GroupJob) -> list[Episode]:
-        """The group's episodes, graded; its task's files (read while it runs) are removed when it ends."""
-        root = self._tasks_dir / job.group_id
+        """The job's episodes of its group (job.indices, in that order), graded; its task's files (read while it
+        runs) are removed when it ends."""
+        root = self._tasks_dir / f"{job.group_id}-{job.indices[0]}"  # two shards of a group may share a worker
         try:
             return self._run_group(job, load_task(job_task(job, self.config).write(root)))
         finally:
@@ -164,7 +181,7 @@ class RolloutWorker:
                 times["grade_s"] += time.perf_counter() - t1
             return episode
 
-        return list(self.episodes.map(one, range(job.group_size)))
+        return list(self.episodes.map(one, job.indices))
 
     def close(self) -> None:
         self.episodes.shutdown(wait=False, cancel_futures=True)
