@@ -124,7 +124,7 @@ def test_tasks_ours_handed_out_past_its_steps_are_checked_against_the_evaluation
     log.hand_out(EVAL_START - TASK_START)  # up to the task before the evaluation's: fine
     assert check_trained_tasks(config, EVAL_TASKS) == EVAL_START - TASK_START
     log.hand_out(EVAL_START - TASK_START + 3)  # three more groups than the steps took
-    with pytest.raises(ValueError, match=f"trained 3 of the evaluation's, from {EVAL_START}"):
+    with pytest.raises(ValueError, match=f"3 of them the evaluation's, from {EVAL_START}"):
         check_trained_tasks(config, EVAL_TASKS)
 
 

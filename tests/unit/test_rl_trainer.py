@@ -940,8 +940,8 @@ def test_a_group_is_sharded_into_consecutive_episode_ranges_of_near_equal_size()
     from realtime_rl.rollout.worker import GroupJob, shard
 
     job = GroupJob("g", 3, 1, 8, 0, 0)
-    assert shard(job, 1) == [job] and job.indices == tuple(range(8))
+    assert shard(job, 1) == [job] and list(job.indices) == list(range(8))
     parts = shard(job, 3)
-    assert [p.indices for p in parts] == [(0, 1, 2), (3, 4), (5, 6, 7)]
+    assert [list(p.indices) for p in parts] == [[0, 1, 2], [3, 4], [5, 6, 7]]
     assert all(p.group_id == "g" and p.task_index == 3 and p.seed == 0 for p in parts)
-    assert [p.indices for p in shard(job, 20)] == [(i,) for i in range(8)]  # at most one per episode
+    assert [list(p.indices) for p in shard(job, 20)] == [[i] for i in range(8)]  # at most one per episode

@@ -171,7 +171,8 @@ def test_a_turn_that_only_inspects_is_answered_by_the_harness_not_the_user(task)
     answer = read_answer("Let me look first.", [call("read_file", path=task.solution_files[0]), call("run_tests")])
     r = react(profile(), answer, None, task, 1, random.Random(0))
     assert answer.kind == "working" and r.verdict == "working" and r.events == [] and r.continues
-    assert not react(profile(), answer, None, task, 0, random.Random(0)).continues  # patience spent: it ends
+    last = react(profile(), answer, None, task, 0, random.Random(0))  # patience spent: the user gives up
+    assert not last.continues and types(last) == ["followup_dissatisfied"]
     results = {c.id: ToolOutcome(f"out {c.function.name}") for c in answer.tool_calls}
     messages = followup_messages(answer, results, r.reply)
     assert [m["role"] for m in messages] == ["assistant", "tool", "tool"]  # no user message

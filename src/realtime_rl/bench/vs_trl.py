@@ -432,9 +432,9 @@ def check_trained_tasks(config: TrainConfig, eval_tasks: int) -> int:
     trained = {task_index(k, config.rollout) for k in range(handed_out)
                if task_difficulty(k, config.rollout) == 1}
     shared = sorted(trained & set(range(EVAL_START, EVAL_START + eval_tasks)))
-    if shared:
+    if shared:  # handed out: trained, or in flight when the run ended; no run is trusted that may have trained one
         raise ValueError(f"vs-trl: ours' run handed out {handed_out} tasks (groups dropped, refused or failed move "
-                         f"the stream on), and trained {len(shared)} of the evaluation's, from {shared[0]}: "
+                         f"the stream on), {len(shared)} of them the evaluation's, from {shared[0]}: "
                          "shorten RTRL_BENCH_MINUTES or lower max_staleness")
     return handed_out
 

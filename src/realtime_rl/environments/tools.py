@@ -61,9 +61,9 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
     _fn("submit", "Submit the work; the episode ends.", {}, []),
 ]
 EDIT_TOOLS = frozenset({"write_file", "edit_file"})
+"""The tools that change the user's code: what users accept, keep or revert."""
 INSPECT_TOOLS = frozenset({"list_files", "read_file", "run_tests"})
 """Tools that look at the workspace and change nothing: an agent's harness runs them and asks for the next turn."""
-"""The tools that change the user's code: what users accept, keep or revert."""
 QUESTION_TOOL = "ask_user"
 
 

@@ -6,6 +6,7 @@ weights, and returns finished groups. Every wait has a timeout, and a dead worke
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,12 +18,16 @@ from realtime_rl.config import RolloutConfig
 from realtime_rl.rollout.worker import GroupJob, shard
 from realtime_rl.types import Episode
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Group:
     left: int
     """Shards not back yet."""
     episodes: dict[int, Episode] = field(default_factory=dict)
+    retried: set[tuple[int, int] | None] = field(default_factory=set)
+    """The shards (GroupJob.episodes) that failed once and were sent to another worker."""
     error: tuple[int, str] | None = None
     """(worker, error) of the first shard that raised."""
 
@@ -44,7 +49,7 @@ pickled message it stays under PIPE_BUF (4096 bytes on Linux), the size a pipe w
 
 def short(text: str) -> str:
     """At most MESSAGE_TEXT bytes of `text` in UTF-8 (a traceback may quote a task's non-ASCII text), its end."""
-    data = text.encode("utf-8", "replace")
+    data = text.encode("utf-8", "surrogatepass")  # as pickle writes it
     return text if len(data) <= MESSAGE_TEXT else "...\n" + data[-MESSAGE_TEXT:].decode("utf-8", "ignore")
 
 
@@ -62,7 +67,14 @@ def groups_per_worker(config: RolloutConfig, group_size: int) -> int:
 class RolloutBackend(ABC):
     """Starts workers, spreads each group over `shards` of them (least loaded first, by episodes) and puts
     the group back together from its shards; a subclass only sends a shard job to a worker (`_send`) and
-    receives finished or failed ones (`_receive`)."""
+    receives finished or failed ones (`_receive`).
+
+    A shard that raises is run once more on another worker (its episodes sample with the same seeds there);
+    a second failure fails its group (failures()). A worker whose last BENCH_AFTER jobs all failed (a dead
+    engine, a broken sandbox pool) gets no new job while another worker has not failed so: it fails fast, so
+    least-loaded placement alone would hand it nearly every job."""
+
+    BENCH_AFTER = 3
 
     def __init__(self, config: RolloutConfig, checkpoint_dir: Path, group_size: int, seed: int = 0) -> None:
         self.config = config
@@ -70,8 +82,9 @@ class RolloutBackend(ABC):
         self.group_size = group_size
         self.seed = seed
         self.shards = 1
-        """Workers each group's episodes are spread over (the orchestrator sets it: `shards_per_group`)."""
+        """Workers each group's episodes are spread over (the orchestrator sets it before start: `shards_per_group`)."""
         self._load = [0] * config.workers  # episodes in flight per worker
+        self._failing = [0] * config.workers  # jobs in a row that failed, per worker
         self._reports: list[dict[str, float]] = [{} for _ in range(config.workers)]  # each worker's latest report
         self.last_publish = None  # realtime_rl.deploy.PublishStats of the newest publish
         self._failed: list[GroupFailed] = []  # groups poll() found failed, until failures() hands them over
@@ -83,6 +96,11 @@ class RolloutBackend(ABC):
         return self.config.workers * groups_per_worker(self.config, self.group_size)
 
     @property
+    def jobs_per_worker(self) -> int:
+        """Jobs (groups, or shards of them) one worker may hold at once: what its job threads are sized for."""
+        return groups_per_worker(self.config, self.group_size) * self.shards
+
+    @property
     def in_flight(self) -> int:
         """Groups submitted and not yet returned by poll() (as a group or a failure)."""
         return len(self._groups)
@@ -92,23 +110,42 @@ class RolloutBackend(ABC):
         shards = shard(job, self.shards)
         self._groups[job.group_id] = _Group(len(shards))
         for part in shards:
-            wid = min(range(len(self._load)), key=self._load.__getitem__)
-            self._load[wid] += len(part.indices)
-            self._send(wid, part)
+            self._place(part)
+
+    def _place(self, part: GroupJob, avoid: int | None = None) -> None:
+        def key(wid: int) -> tuple[bool, bool, int]:
+            return wid == avoid, self._failing[wid] >= self.BENCH_AFTER, self._load[wid]
+
+        wid = min(range(len(self._load)), key=key)
+        self._load[wid] += len(part.indices)
+        self._send(wid, part)
 
     def poll(self, timeout_s: float) -> list[list[Episode]]:
         """Finished groups, episodes in index order; waits up to timeout_s for the first shard (0: never waits).
-        A group one of whose shards raised is not among them: it goes to failures() once its shards are all
-        back. A worker that died or failed outside a group is an error."""
+        A group one of whose shards failed twice is not among them: it goes to failures() once its other
+        shards are back. A worker that died or failed outside a group is an error."""
         out = []
         for wid, part, result in self._receive(timeout_s):
+            group = self._groups.get(part.group_id)
+            if group is None:  # not submitted here, or forgotten by close()
+                log.warning("rollout worker %d returned group %s, which is not in flight", wid, part.group_id)
+                continue
             self._load[wid] -= len(part.indices)
-            group = self._groups[part.group_id]
-            group.left -= 1
+            if not isinstance(result, str) and len(result) != len(part.indices):
+                result = f"the job returned {len(result)} episodes for {len(part.indices)} indices"
             if isinstance(result, str):
+                self._failing[wid] += 1
+                if part.episodes not in group.retried and len(self._load) > 1:
+                    group.retried.add(part.episodes)
+                    log.warning("rollout worker %d failed a job of group %s; running it on another worker: %s",
+                                wid, part.group_id, result.strip().rsplit("\n", 1)[-1])
+                    self._place(part, avoid=wid)
+                    continue
                 group.error = group.error or (wid, result)
             else:
-                group.episodes.update(zip(part.indices, result, strict=True))
+                self._failing[wid] = 0
+                group.episodes.update(zip(part.indices, result))
+            group.left -= 1
             if not group.left:
                 del self._groups[part.group_id]
                 if group.error is not None:
@@ -116,6 +153,11 @@ class RolloutBackend(ABC):
                 else:
                     out.append([group.episodes[i] for i in sorted(group.episodes)])
         return out
+
+    def _forget_in_flight(self) -> None:
+        """What close() abandons: the groups in flight, and the load they put on the workers."""
+        self._groups.clear()
+        self._load = [0] * len(self._load)
 
     def failures(self) -> list[GroupFailed]:
         """The groups found failed since the last call (by poll(); they are no longer in flight)."""

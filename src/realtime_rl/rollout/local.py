@@ -1,11 +1,12 @@
 """Rollout workers as local processes (multiprocessing, spawn): one engine and sandbox pool each.
 
 Messages are plain tuples on multiprocessing queues: to a worker ("weights", version), ("job", GroupJob),
-("stop",); from a worker ("ready", wid), ("group", wid, group_id, path, report), ("error", wid, text), where
-report is RolloutWorker.report() (tokens so far, engine stats). A group's episodes travel as episode_to_bytes
-blobs (no pickle of our objects across the boundary) in a file of the worker's scratch directory, whose path
-the message carries: every message a worker sends stays under PIPE_BUF, so it reaches the shared pipe whole or
-not at all. (A group's megabytes on the pipe itself could be cut off by a worker killed mid-send, and the
+("stop",); from a worker ("ready", wid), ("group", wid, job, path, report), ("failed", wid, job, text) (the
+job raised: a group failure), ("error", wid, text) (the worker failed), where job is the GroupJob (a group
+or a shard of one) and report is RolloutWorker.report() (tokens so far, engine stats). A job's episodes travel
+as episode_to_bytes blobs (no pickle of episodes across the boundary) in a file of the worker's scratch
+directory, whose path the message carries: every message a worker sends stays under PIPE_BUF, so it reaches
+the shared pipe whole or not at all. (A group's megabytes on the pipe itself could be cut off by a worker killed mid-send, and the
 trainer's next read then blocked for good on the rest of a message nobody would write.)
 Weights travel through the weight-sync path of `realtime_rl.deploy`: the trainer's WeightPublisher
 writes a verified lossless delta (and periodic snapshots) into run_dir/weights on the filesystem
@@ -34,7 +35,7 @@ import torch
 from realtime_rl.config import RolloutConfig
 from realtime_rl.deploy import FilesystemTransport, WeightPublisher, WeightSubscriber
 from realtime_rl.environments.sandbox.launch import remove_tree
-from realtime_rl.rollout.base import RolloutBackend, groups_per_worker, publish_dtype, short
+from realtime_rl.rollout.base import RolloutBackend, publish_dtype, short
 from realtime_rl.rollout.worker import GroupJob, RolloutWorker
 from realtime_rl.types import Episode, episode_from_bytes, episode_to_bytes
 
@@ -64,7 +65,7 @@ def read_blobs(path: Path) -> list[bytes]:
 
 
 def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: RolloutConfig, worker_id: int,
-                 seed: int, group_size: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+                 seed: int, jobs: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
     tempfile.tempdir = os.environ["TMPDIR"] = scratch  # its work and sandbox directories, removed with it
     try:
         worker = RolloutWorker(checkpoint_dir, config, worker_id, seed)
@@ -73,12 +74,13 @@ def _worker_main(checkpoint_dir: str, weights_dir: str, scratch: str, config: Ro
     except BaseException:  # report why, then die: the orchestrator raises with this text
         outbox.put(("error", worker_id, short(traceback.format_exc())))
         return
-    groups = ThreadPoolExecutor(groups_per_worker(config, group_size), thread_name_prefix=f"group-{worker_id}")
+    groups = ThreadPoolExecutor(jobs, thread_name_prefix=f"group-{worker_id}")
 
     def run(job: GroupJob) -> None:
         try:
             episodes = worker.run_group(job)
-            path = write_blobs(Path(scratch) / f"group-{job.group_id}.bin", [episode_to_bytes(e) for e in episodes])
+            name = f"group-{job.group_id}-{job.indices[0]}.bin"  # two shards of a group may share a worker
+            path = write_blobs(Path(scratch) / name, [episode_to_bytes(e) for e in episodes])
             outbox.put(("group", worker_id, job, str(path), worker.report()))
         except BaseException:  # the group's failure, not the worker's: the orchestrator counts it and goes on
             outbox.put(("failed", worker_id, job, short(traceback.format_exc())))
@@ -137,7 +139,7 @@ class LocalBackend(RolloutBackend):
             self._scratch.append(Path(tempfile.mkdtemp(prefix=f"rtrl-worker-{wid}-")))
             proc = self._ctx.Process(target=_worker_main, name=f"rtrl-rollout-{wid}", daemon=True,
                                      args=(str(self.checkpoint_dir), str(self.weights_dir), str(self._scratch[-1]),
-                                           self.config, wid, self.seed, self.group_size, inbox, self._outbox))
+                                           self.config, wid, self.seed, self.jobs_per_worker, inbox, self._outbox))
             proc.start()
             self._inboxes.append(inbox)
             self._procs.append(proc)
@@ -197,6 +199,7 @@ class LocalBackend(RolloutBackend):
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the workers: each closes its engine and sandboxes; one still running after `timeout_s` is
         killed. Their temporary directories go either way."""
+        self._forget_in_flight()
         for inbox in self._inboxes:
             inbox.put(("stop",))
         deadline = time.monotonic() + timeout_s

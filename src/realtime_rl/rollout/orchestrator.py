@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 def shards_per_group(config: TrainConfig) -> int:
     """Workers each group's episodes are spread over (`rollout.shards_per_group`; see there for None)."""
     rollout, rl = config.rollout, config.rl
-    if rollout.shards_per_group is not None:
-        return min(rollout.shards_per_group, rl.group_size)
+    if rollout.shards_per_group is not None:  # more shards than workers would only queue on the same ones
+        return min(rollout.shards_per_group, rl.group_size, rollout.workers)
     return max(1, min(rl.group_size, rollout.workers // ((config.max_staleness + 1) * rl.groups_per_step)))
 
 
@@ -160,9 +160,9 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
             raise RuntimeError(f"the last {failed_in_a_row} groups failed in their rollout workers (logged in "
                                f"trajectories/failed.jsonl); the last one's error:\n{failure.error}")
 
-    def receive(finished: list[list[Episode]]) -> None:
+    def receive(finished: list[list[Episode]], failures: list[GroupFailed]) -> None:
         nonlocal failed_in_a_row
-        for failure in backend.failures():
+        for failure in failures:
             fail(failure)
         for group in finished:
             failed_in_a_row = 0
@@ -207,16 +207,16 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
                     log.drop(dropped, trainer.version)
                 if batch is None:
                     t0 = time.perf_counter()
-                    finished = backend.poll(POLL_S)
+                    finished, failures = backend.poll(POLL_S), backend.failures()
                     idle_s += time.perf_counter() - t0
                     if stranding:  # a batch was ready: the straggler's wait
                         straggler_s += time.perf_counter() - t0
-                    if finished or backend.in_flight < len(admitted):  # groups came back, or failed
+                    if finished or failures:
                         progress_at = time.perf_counter()
                     elif backend.in_flight and time.perf_counter() - progress_at > config.rollout.timeout_s:
                         raise TimeoutError(f"no rollout finished in {config.rollout.timeout_s:.0f} s "
                                            f"({backend.in_flight} groups in flight)")
-                    receive(finished)
+                    receive(finished, failures)
                     continue
 
                 t_step = time.perf_counter()
@@ -234,7 +234,7 @@ def _train(config: TrainConfig, run_dir: Path, show_progress: bool) -> dict[str,
                 trainer.save(config.checkpoint_keep)
                 backend.publish(trainer.weights(), trainer.version)
                 log.remove(batch, trainer.version)
-                receive(backend.poll(0))
+                receive(backend.poll(0), backend.failures())
                 progress_at = time.perf_counter()
                 elapsed = time.perf_counter() - t_start
                 metrics |= {

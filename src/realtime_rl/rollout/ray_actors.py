@@ -68,11 +68,12 @@ class _Actor:
         remove_tree(self.scratch)
 
 
-def actor_options(config: RolloutConfig, group_size: int) -> dict[str, float | int]:
+def actor_options(config: RolloutConfig, group_size: int, shards: int = 1) -> dict[str, float | int]:
     """Ray resources and threads of one rollout actor: a CPU, its GPUs when its engine runs on CUDA (Ray then
-    makes them the actor's `cuda`), and a thread per group it holds plus two for weights and closing."""
+    makes them the actor's `cuda`), and a thread per job (group or shard) it holds plus two for weights and
+    closing."""
     gpus = config.gpus_per_worker if config.device == "cuda" else 0
-    return {"num_cpus": 1, "num_gpus": gpus, "max_concurrency": groups_per_worker(config, group_size) + 2}
+    return {"num_cpus": 1, "num_gpus": gpus, "max_concurrency": groups_per_worker(config, group_size) * shards + 2}
 
 
 class RayBackend(RolloutBackend):
@@ -93,7 +94,7 @@ class RayBackend(RolloutBackend):
         if not ray.is_initialized():
             ray.init(num_cpus=max(2, self.config.workers), include_dashboard=False, log_to_driver=False)
             self._started_ray = True
-        actor_cls = ray.remote(_Actor).options(**actor_options(self.config, self.group_size))
+        actor_cls = ray.remote(_Actor).options(**actor_options(self.config, self.group_size, self.shards))
         from realtime_rl.deploy import RayTransport
 
         self._publisher = WeightPublisher(RayTransport(self._weights, timeout_s=self.config.timeout_s),
@@ -118,7 +119,7 @@ class RayBackend(RolloutBackend):
                 ray.kill(self._actors[i])
             self._actors = [a for i, a in enumerate(self._actors) if i not in waiting]
             self._where = [w for i, w in enumerate(self._where) if i not in waiting]
-            options = actor_options(self.config, self.group_size)
+            options = actor_options(self.config, self.group_size, self.shards)
             raise TimeoutError(
                 f"{len(waiting)} of {len(ready)} rollout actors not started after {self.config.timeout_s:g} s"
                 f" (rollout.timeout_s): each asks for {options['num_cpus']} CPU and {options['num_gpus']} GPU,"
@@ -154,6 +155,8 @@ class RayBackend(RolloutBackend):
         """Ask every actor to close, waiting at most timeout_s for them all, then kill each: one that died or
         hangs (often why the run is closing) does not keep the others alive or hide the error that ended the run.
         The scratch directories of those that did not close are removed by a task on each one's node."""
+        self._pending.clear()
+        self._forget_in_flight()
         closing = [actor.close.remote() for actor in self._actors]
         done, late = self.ray.wait(closing, num_returns=len(closing), timeout=timeout_s) if closing else ([], [])
         closed = set()

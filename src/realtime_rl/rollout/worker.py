@@ -47,13 +47,13 @@ class GroupJob:
     seed: int
     started_version: int
     """The trainer's version when the orchestrator admitted the group (for staleness accounting)."""
-    episodes: tuple[int, ...] | None = None
-    """The indices of the group's episodes this job runs (None: all group_size). A group spread over workers is one
-    job per shard; episode i samples with the same seeds on whichever worker runs it."""
+    episodes: tuple[int, int] | None = None
+    """The [start, stop) range of the group's episode indices this job runs (None: all group_size). A group spread
+    over workers is one job per shard; episode i samples with the same seeds on whichever worker runs it."""
 
     @property
-    def indices(self) -> tuple[int, ...]:
-        return tuple(range(self.group_size)) if self.episodes is None else self.episodes
+    def indices(self) -> range:
+        return range(self.group_size) if self.episodes is None else range(*self.episodes)
 
 
 def shard(job: GroupJob, shards: int) -> list[GroupJob]:
@@ -62,7 +62,7 @@ def shard(job: GroupJob, shards: int) -> list[GroupJob]:
     if shards == 1:
         return [job]
     bounds = [round(k * job.group_size / shards) for k in range(shards + 1)]
-    return [replace(job, episodes=tuple(range(bounds[k], bounds[k + 1]))) for k in range(shards)]
+    return [replace(job, episodes=(bounds[k], bounds[k + 1])) for k in range(shards)]
 
 
 HOLDING_STRIDE = 1_000_003

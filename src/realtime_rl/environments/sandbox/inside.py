@@ -172,8 +172,9 @@ def descendants(root: int) -> list[int]:
 def kill_leftovers(own_pid_namespace: bool, deadline_s: float = 2.0) -> None:
     """Kill every process this one started (and their orphans), until none is left or the deadline.
 
-    Done means two scans in a row found none alive: a process listed by one scan can fork and exit before
-    its line is read, and its child, missing from that scan's listing, is a descendant in the next one."""
+    Done means two scans in a row found none, zombies included (ours are reaped each pass): a process listed by
+    one scan can fork and exit before its line is read, and its child, missing from that scan's listing, is a
+    descendant in the next one; a zombie is such a process, so a scan that still lists one is not clean."""
     end, clean = time.monotonic() + deadline_s, 0
     while time.monotonic() < end:
         if own_pid_namespace:
@@ -195,18 +196,10 @@ def kill_leftovers(own_pid_namespace: bool, deadline_s: float = 2.0) -> None:
                     break
             except ChildProcessError:
                 break
-        clean = clean + 1 if not [p for p in left if not is_zombie(p)] else 0
+        clean = clean + 1 if not left else 0
         if clean == 2:
             return
         time.sleep(0.001)
-
-
-def is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except OSError:
-        return True
 
 
 def run_pytest(args: list, report_fd: int) -> int:

@@ -17,7 +17,8 @@ The reactions, by answer:
 - ask_user: followup_neutral, and the user answers the question (the next completion is treated alike);
 - only tools that inspect (list_files, read_file, run_tests): no event; the user's harness sends their results
   back and asks for the next completion, as an agent product does (the system prompt asks the agent to read
-  the task and run the tests), without a user message;
+  the task and run the tests), without a user message; once patience is spent, followup_dissatisfied (the
+  agent only ever looked);
 - a malformed tool call (the gateway answered it as content): tool_call_error per broken call, and with
   probability p_malformed_complaint a followup_dissatisfied with a follow-up asking to retry;
 - anything else: followup_dissatisfied and a follow-up asking for the change.
@@ -212,8 +213,9 @@ def react(user: UserProfile, answer: Answer, outcome: EditOutcome | None, task: 
         return Reaction("failed", events, reply, revert=True)
     if answer.kind == "question":
         return Reaction("question", [PlannedEvent("followup_neutral")], NEUTRAL_ANSWER if can_reply else None)
-    if answer.kind == "working":
-        return Reaction("working", [], None, continues=can_reply)
+    if answer.kind == "working":  # the user gives up when the agent is still only looking at the end of patience
+        return Reaction("working", [] if can_reply else [PlannedEvent("followup_dissatisfied")], None,
+                        continues=can_reply)
     if answer.kind == "malformed":
         events = [PlannedEvent("tool_call_error", tool_name=broken_tool_name(e), error_type=e.kind)
                   for e in answer.errors]
