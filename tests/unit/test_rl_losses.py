@@ -104,6 +104,29 @@ def test_k3_is_nonnegative_and_zero_on_equal():
     assert k3(a, a).abs().max() == 0
 
 
+def test_k3_is_clamped_so_one_collapsed_token_cannot_dominate_or_overflow():
+    from realtime_rl.train.losses import K3_CLAMP
+
+    new = torch.tensor([-12.0, -100.0, -0.5]).requires_grad_(True)
+    ref = torch.tensor([-0.5, -0.5, -0.6])
+    value = k3(new, ref)
+    assert torch.isfinite(value).all() and value[0] == value[1] == K3_CLAMP  # e^99.5 used to be inf
+    value.sum().backward()
+    assert new.grad[0] == new.grad[1] == 0 and new.grad[2] != 0  # past the clamp: a constant, no gradient
+
+
+def test_dual_clip_bounds_a_negative_advantages_term_where_the_ratio_has_run_away():
+    prox = torch.log(torch.tensor([0.1, 0.1, 0.1]))
+    new = prox + torch.log(torch.tensor([10.0, 2.0, 10.0]))  # ratios 10, 2, 10
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    grad, _ = _grad(new, prox, prox, adv)
+    assert grad[0] == 0  # 10 x -1 is past 3 x -1: bounded, no gradient
+    assert grad[1] != 0  # ratio 2: 2 x -1 is inside the dual bound
+    assert grad[2] == 0  # a positive advantage past 1 + clip_high: PPO's clip, as before
+    free, _ = _grad(new, prox, prox, adv, LossConfig(dual_clip=None))
+    assert free[0] != 0
+
+
 def _grad(new, prox, behav, adv, cfg=LossConfig()):
     new = new.clone().requires_grad_(True)
     loss, sums = policy_loss(new, prox, behav, adv, num_tokens=new.numel(), cfg=cfg)

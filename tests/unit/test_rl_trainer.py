@@ -394,6 +394,32 @@ def test_entropy_coef_trains_every_episode_and_a_negative_one_sharpens_the_polic
         RLConfig(entropy_coef=2.0)
 
 
+@pytest.mark.parametrize("aggregation", ["token", "episode"])
+def test_a_tiny_entropy_coef_does_not_scale_down_the_policy_gradient(tmp_path, monkeypatch, aggregation):
+    """The entropy term brings zero-advantage episodes into the step; their tokens used to join the divisor, so
+    entropy_coef 1e-9 cut the policy gradient by the share of groups without signal."""
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    episodes = _episodes(engine, 0) + _episodes(engine, 1)
+    for e in episodes:
+        if e.group_id.startswith("s1-"):  # every episode of these groups passed: no signal; entropy brings them in
+            e.passed = True
+    signal = {e.group_id for e in episodes if len({x.passed for x in episodes if x.group_id == e.group_id}) > 1}
+    assert signal and all(g.startswith("s0-") for g in signal)
+    clip, grads = torch.nn.utils.clip_grad_norm_, []
+
+    def recording(params, max_norm):
+        params = list(params)
+        grads.append(torch.cat([p.grad.flatten().clone() for p in params if p.grad is not None]))
+        return clip(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    for coef in (0.0, 1e-9):
+        RLTrainer(_model(), None, RLConfig(group_size=8, entropy_coef=coef, loss_aggregation=aggregation),
+                  tmp_path / f"{coef}").step(copy.deepcopy(episodes))
+    without, tiny = grads
+    assert without.abs().max() > 0 and torch.allclose(without, tiny, rtol=1e-3, atol=1e-6)  # packing may differ
+
+
 def test_episode_aggregation_changes_the_step_only_when_lengths_differ(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     equal = _episodes(engine, 0)
@@ -582,6 +608,27 @@ def test_skipped_updates_are_counted_and_the_others_norms_kept(tmp_path, monkeyp
     taken = [n for n in norms if math.isfinite(n)]
     assert len(norms) == 4 and metrics["train/skipped_nonfinite_updates"] == 1.0
     assert metrics["train/grad_norm"] == pytest.approx(sum(taken) / 3) and metrics["train/grad_norm_max"] == max(taken)
+
+
+def test_a_skipped_updates_non_finite_loss_is_left_out_of_the_step_metrics(tmp_path, monkeypatch):
+    """One minibatch's loss NaN: its update is skipped, and train/loss and the other means are the updates taken
+    (they were NaN, which the metrics log writes as a JSON NaN strict parsers refuse)."""
+    import realtime_rl.train.rl as rl
+
+    trainer = RLTrainer(_model(), None, RLConfig(minibatches=4), tmp_path)
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    engine.update_weights(trainer.weights(), 0)
+    loss_of, calls = rl.policy_loss, []
+
+    def second_is_nan(*args, **kwargs):
+        loss, sums = loss_of(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), {k: v * float("nan") for k, v in sums.items()}) if len(calls) == 2 else (loss, sums)
+
+    monkeypatch.setattr(rl, "policy_loss", second_is_nan)
+    metrics = trainer.step(_episodes(engine, 0))
+    assert metrics["train/skipped_nonfinite_updates"] >= 1
+    assert all(math.isfinite(v) for k, v in metrics.items()), metrics
 
 
 def test_episodes_given_twice_are_named(tmp_path):

@@ -161,8 +161,12 @@ class RLConfig(StrictModel):
     """PPO ratio lower clip (1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0.0, le=10.0)
     """PPO ratio upper clip (1 + clip_high; higher than clip_low as in DAPO)."""
+    dual_clip: float | None = Field(3.0, gt=1.0)
+    """Dual clip (verl's clip_ratio_c): a negative advantage's term is bounded below at dual_clip x A, so a ratio
+    that ran far past the band (later minibatches or epochs) cannot push one token without limit. None: off."""
     tis_cap: float = Field(2.0, ge=1.0)
-    """Truncated importance sampling: behaviour->proximal weights are capped here."""
+    """Truncated importance sampling: behaviour->proximal weights are capped here. At or above icepop_high (the
+    defaults: both 2.0) it truncates nothing: IcePop masks every token it would truncate."""
     icepop_low: float = Field(0.5, gt=0.0, le=1.0)
     """IcePop: tokens whose behaviour->proximal ratio is below this are masked out."""
     icepop_high: float = Field(2.0, ge=1.0)

@@ -13,6 +13,7 @@ Three policies meet in one token t of a generated segment (all logprobs of the s
     ratio_t   = exp(new_t - prox_t)     the PPO ratio, clipped to [1 - clip_low, 1 + clip_high]
 
     loss = -sum_t is_t * min(ratio_t * A_t, clip(ratio_t) * A_t) / num_tokens + kl_coef * kl(new, ref)
+                (for A_t < 0 the term is also bounded below at dual_clip * A_t: the dual clip)
            - entropy_coef * H_t / num_tokens       (H_t: the new policy's entropy at t; masked as IcePop masks)
 
 The KL term is a per-token function of d = ref_t - new_t on the policy's own tokens, and which divergence
@@ -127,13 +128,19 @@ def length_normalized(adv_E: torch.Tensor, tokens_E: torch.Tensor) -> torch.Tens
     return adv_E * tokens_E.mean() / tokens_E
 
 
+K3_CLAMP_D, K3_CLAMP = 20.0, 10.0
+"""k3 clamps d to +-20 and its value to 10 (as verl's low_var_kl): a token the policy has made far less likely than
+the reference (d = 11.5: gradient 1 - e^d, about -1e5) would otherwise set the direction of the whole clipped update,
+and past d ~ 88 make it infinite. Such a token then adds a constant, no gradient."""
+
+
 def k3(logp_sample: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(sample || other) per token, from tokens drawn from `sample`:
-    exp(d) - 1 - d with d = logp_other - logp_sample. Non-negative, unbiased, low variance. As a loss
-    term its expected gradient with respect to logp_sample is that of KL(other || sample) at each position,
-    given the context (module docstring)."""
-    d = logp_other - logp_sample
-    return torch.expm1(d) - d
+    exp(d) - 1 - d with d = logp_other - logp_sample (clamped: K3_CLAMP). Non-negative, unbiased, low variance.
+    As a loss term its expected gradient with respect to logp_sample is that of KL(other || sample) at each
+    position, given the context (module docstring)."""
+    d = torch.clamp(logp_other - logp_sample, -K3_CLAMP_D, K3_CLAMP_D)
+    return torch.clamp(torch.expm1(d) - d, max=K3_CLAMP)
 
 
 def k2(logp_sample: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
@@ -155,6 +162,7 @@ class LossConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     kl_estimator: str = "k3"
+    dual_clip: float | None = 3.0
 
 
 def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor, adv_N: torch.Tensor,
@@ -174,6 +182,8 @@ def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor
     ratio_N = torch.exp(new_N - prox_N)
     clipped_N = torch.clamp(ratio_N, 1 - cfg.clip_low, 1 + cfg.clip_high)
     surrogate_N = torch.minimum(ratio_N * adv_N, clipped_N * adv_N)
+    if cfg.dual_clip is not None:  # dual clip (Ye et al. 2020): a negative advantage's term is bounded below too
+        surrogate_N = torch.where(adv_N < 0, torch.maximum(surrogate_N, cfg.dual_clip * adv_N), surrogate_N)
     loss = -(weight_N * surrogate_N).sum() / num_tokens
     kl_sum = torch.zeros((), device=new_N.device)
     if ref_N is not None and cfg.kl_coef > 0:

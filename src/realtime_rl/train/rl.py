@@ -139,7 +139,7 @@ class RLTrainer:
                 group["betas"], group["weight_decay"] = tuple(config.betas), decay_rate
         self.loss_config = LossConfig(config.clip_low, config.clip_high, config.tis_cap, config.icepop_low,
                                       config.icepop_high, config.kl_coef, config.entropy_coef,
-                                      config.kl_estimator)
+                                      config.kl_estimator, config.dual_clip)
         kind = "cpu" if self.device.type == "cpu" else "gpu"
         self.micro_batch_tokens = (MICRO_BATCH_TOKENS[kind] if config.micro_batch_tokens is None
                                    else config.micro_batch_tokens)
@@ -259,10 +259,11 @@ class RLTrainer:
             # forward, unless the entropy term covers them
             trained += [(e, a) for e, a in zip(members, adv.tolist())
                         if (a != 0.0 or cfg.entropy_coef) and e.num_generated]
-        if cfg.loss_aggregation == "episode" and trained:
-            scaled = length_normalized(torch.tensor([a for _, a in trained]),
-                                       torch.tensor([e.num_generated for e, _ in trained]))
-            trained = [(e, a) for (e, _), a in zip(trained, scaled.tolist())]
+        signal = [(e, a) for e, a in trained if a != 0.0]  # the entropy term's extra episodes change no weight
+        if cfg.loss_aggregation == "episode" and signal:
+            scaled = dict(zip((e.episode_id for e, _ in signal), length_normalized(
+                torch.tensor([a for _, a in signal]), torch.tensor([e.num_generated for e, _ in signal])).tolist()))
+            trained = [(e, scaled.get(e.episode_id, 0.0)) for e, _ in trained]
         items = [(s, a) for e, a in trained for s in e.segments if s.loss_mask.any()]
 
         stale = [staleness(e, self.version) for e in episodes]
@@ -302,14 +303,18 @@ class RLTrainer:
         minibatches = [list(range(mb, len(items), cfg.minibatches)) for mb in range(min(cfg.minibatches, len(items)))]
         later = [items[i] for mb in (minibatches if cfg.ppo_epochs > 1 else minibatches[1:]) for i in mb]
         prox = self._logprobs_no_grad(later) if later else None
-        totals: dict[str, float] = defaultdict(float)
+        totals: dict[str, float] = defaultdict(float)  # over the updates taken
         mismatch = {"tokens": 0, "k3": 0.0, "max": 0.0}  # over tokens of the current version, first pass only
         num_updates, micro_batches, norms = 0, 0, []
         positions = {"computed": 0, "padded": 0}  # input positions through the model: run, and in padded rows
         for epoch in range(cfg.ppo_epochs):
             for mb, chosen in enumerate(minibatches):
-                num_tokens = sum(items[i][0].num_generated for i in chosen)
+                # The divisor counts the tokens with a policy gradient: segments of zero-advantage episodes, which
+                # only the entropy term brings in, must not scale down the others' (a tiny entropy_coef did so)
+                num_tokens = (sum(items[i][0].num_generated for i in chosen if items[i][1] != 0.0)
+                              or sum(items[i][0].num_generated for i in chosen))
                 self.optimizer.zero_grad(set_to_none=True)
+                update: dict[str, float] = defaultdict(float)
                 for micro in pack_micro_batches([(items[i][0], items[i][1]) for i in chosen], self.micro_batch_tokens,
                                             self._replays):
                     sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens,
@@ -318,7 +323,7 @@ class RLTrainer:
                     positions["computed"] += computed
                     positions["padded"] += padded
                     for k, v in sums.items():
-                        totals[k] += v / num_tokens
+                        update[k] += v / num_tokens
                     if epoch == 0:  # the proximal logprobs are those of the weights at the step start
                         mismatch["tokens"] += fresh[0]
                         mismatch["k3"] += fresh[1]
@@ -327,8 +332,10 @@ class RLTrainer:
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                     norms.append(float(grad_norm))
+                    for k, v in update.items():  # a skipped update's loss is NaN or inf: not in the means
+                        totals[k] += v
                 num_updates += 1
-        out = {f"train/{k}": v / num_updates for k, v in totals.items()}
+        out = {f"train/{k}": v / max(len(norms), 1) for k, v in totals.items()}
         if norms:  # of the updates taken: a skipped one's inf or NaN would hide the others'
             out["train/grad_norm"], out["train/grad_norm_max"] = sum(norms) / len(norms), max(norms)
         if len(norms) < num_updates:  # an overflow (bf16) or a NaN: those minibatches changed nothing
