@@ -112,6 +112,26 @@ def test_late_events_are_recorded_and_never_change_a_settled_reward(store, tmp_p
         assert ledger.settled() == [settled]
 
 
+def test_a_reply_marked_undelivered_never_trains_whenever_the_mark_comes_and_whichever_choice(sqlite_store,
+                                                                                               tmp_path):
+    """The gateway's mark can be recorded after the reward closed (a session that ended at once), and names choice
+    0 of a completion of several: neither the settled reward nor another choice of it may train."""
+    t0 = time.time()
+    sqlite_store.add_completion(record("c1", "question", t0, session_id="s1"))
+    sqlite_store.add_completion(record("c2", "question", t0, session_id="s2", n_choices=2))
+    sqlite_store.add_events([event("end", "session_end", None, session_id="s1")])
+    with RewardLedger(tmp_path / "rewards.sqlite") as ledger:
+        (settled,) = ledger.update(sqlite_store, RULES, now=t0 + 2).settled  # c1 closed by its session's end
+        assert settled.completion_id == "c1" and settled.trainable
+        sqlite_store.add_events([event("u1", "undelivered", "c1"), event("u2", "undelivered", "c2")])
+        ledger.update(sqlite_store, RULES, now=t0 + 31)
+        assert ledger.settled() == []  # trainable ones only
+        untrainable = ledger.settled(include_untrainable=True)
+        assert sorted((s.completion_id, s.choice_index) for s in untrainable) == [("c1", 0), ("c2", 0), ("c2", 1)]
+        assert all(not s.trainable for s in untrainable)
+        assert next(s for s in untrainable if s.completion_id == "c1").reward == settled.reward  # paid as closed
+
+
 def test_an_event_before_its_completion_is_held_then_paid(store, tmp_path):
     t0 = time.time()
     store.add_events([event("early", "followup_dissatisfied", "c-early")])

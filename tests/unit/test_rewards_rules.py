@@ -245,8 +245,8 @@ def test_custom_events_pay_weight_times_value():
 
 def test_an_undelivered_completion_settles_untrainable_and_pays_nothing_for_it():
     """The gateway marks a recorded completion whose answer never reached the client; no feedback could come,
-    so its reward (here the action's alone) says nothing about it. One marked after the close stays trainable:
-    settlements never change."""
+    so its reward (here the action's alone) says nothing about it. One marked after the close (the gateway's
+    mark can come late) pays as it closed, and does not train either."""
     question = Item("c", 0, created_at=1000.0, model_version=1, kind="question", malformed_calls=0,
                     response_tokens=5)
     gone = ev("u", "undelivered", 1000.5, attributes={"reason": "client_disconnected"})
@@ -254,6 +254,6 @@ def test_an_undelivered_completion_settles_untrainable_and_pays_nothing_for_it()
     assert s.status == "final" and not s.trainable and s.reward == pytest.approx(-1.2)
     assert [(c.source, c.amount) for c in s.components] == [("action:question", -1.2), ("event:undelivered", 0.0)]
     late = settle(question, [ev("u", "undelivered", 1031)], RULES, now=1040)
-    assert late.trainable and late.late_event_ids == ["u"]
+    assert not late.trainable and late.late_event_ids == ["u"] and late.reward == pytest.approx(-1.2)
     with pytest.raises(ValueError, match="undelivered needs the completion"):
         FeedbackEvent(event_id="u", type="undelivered", session_id="s")

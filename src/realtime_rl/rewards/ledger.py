@@ -25,6 +25,8 @@ Not here: which settled rewards are on-policy (the trainer filters by model_vers
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import json
 import sqlite3
@@ -299,6 +301,9 @@ class RewardLedger:
                     conn.execute("INSERT OR IGNORE INTO session_ends (session_id, ended_at) VALUES (?, ?)",
                                  (e.session_id, e.recorded_at))
                 disposition = self._disposition(conn, e)
+                if e.type == "undelivered":  # whenever it comes: no choice of a reply nobody received trains
+                    conn.execute("UPDATE items SET trainable = 0 WHERE completion_id = ? AND status != 'pending'",
+                                 (e.completion_id,))
                 conn.execute(f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}, disposition, late_at) "
                              f"VALUES ({', '.join('?' for _ in EVENT_COLUMNS)}, ?, ?)",
                              (e.event_id, e.seq, e.completion_id, e.choice_index or 0, e.session_id, e.type, e.name,
@@ -327,6 +332,9 @@ class RewardLedger:
                 "SELECT session_id, ended_at FROM session_ends WHERE session_id IN "
                 "(SELECT session_id FROM items WHERE status = 'pending')"):
             sessions.setdefault(session_id, []).append(ended_at)
+        undelivered = {row[0] for row in conn.execute(  # an event names choice 0; it holds for every choice
+            "SELECT DISTINCT completion_id FROM events WHERE type = 'undelivered' AND completion_id IN "
+            "(SELECT completion_id FROM items WHERE status = 'pending')")}
         settle_seq = conn.execute("SELECT COALESCE(MAX(settle_seq), 0) FROM items").fetchone()[0]
         digest = rules.digest()
         for item in pending:
@@ -334,6 +342,8 @@ class RewardLedger:
                        sessions.get(item.session_id, ()) if item.session_id is not None else ())
             if s is None:
                 continue
+            if item.completion_id in undelivered:
+                s = dataclasses.replace(s, trainable=False)
             settle_seq += 1
             conn.execute("UPDATE items SET status = ?, reward = ?, components = ?, trainable = ?, closed_at = ?, "
                          "rules_version = ?, rules_digest = ?, settled_at = ?, settle_seq = ? "

@@ -191,6 +191,10 @@ def settle(item: Item, events: list[FeedbackEvent], rules: RewardRules, now: flo
                 paid_edits.add(e.type)
                 decided = decided or e.type in DECISIONS
         components.append(Component(f"event:{e.type}", amount, e.event_id, note))
+    if not undelivered and any(e.type == "undelivered" for e in events):  # marked after the close: the amount
+        undelivered = True  # is closed, but a reply the user never received must not train either way
+        components.append(Component("event:undelivered", 0.0, next(e.event_id for e in events if e.type ==
+                                                                     "undelivered"), "recorded after the close"))
     if status == "censored" and rules.censored_policy == "credit" and "edit_accepted" in paid_edits:
         components.append(Component("censored_credit", rules.censored_credit * rules.weights.edit_persisted,
                                     note="accepted, neither confirmed nor undone before the horizon"))
