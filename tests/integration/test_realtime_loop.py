@@ -256,3 +256,27 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
             assert gate["decision"] == "overruled" and "is rolled_back, no longer candidate" in gate["reasons"][0]
             assert [t.to_state for t in loop.registry.history(candidate.version)] == ["candidate", "rolled_back"]
             assert loop.state.canary is None and loop.gateway.traffic()["candidate_fraction"] == 0.0
+
+            # A canary rolled back by hand while a window collects leaves the gateway within REGISTRY_POLL_S, not
+            # at the window's end (hours later in production).
+            canary = loop.registry.register(other, parent=2)
+            loop.registry.transition(canary.version, "canary", reason="operator: by hand")
+            loop._follow_registry()
+            assert loop.gateway.traffic()["candidate_fraction"] == 0.25
+            monkeypatch.setattr(cycle, "REGISTRY_POLL_S", 0.2)
+            loop.state.window_start = time.time()  # the window is the config's whole cycle_period_s from now
+            stop, reports = threading.Event(), []
+            waiting = threading.Thread(target=lambda: reports.append(loop.run_cycle(stop)))
+            waiting.start()
+            try:
+                with Registry.open(loop_dir) as registry:
+                    registry.rollback(canary.version, reason="operator: by hand")
+                deadline = time.monotonic() + 20
+                while loop.gateway.traffic()["candidate_fraction"] != 0.0 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert loop.gateway.traffic()["candidate_fraction"] == 0.0 and waiting.is_alive()  # mid-window
+            finally:
+                stop.set()
+                waiting.join(30)
+            assert reports[0]["stopped"] and any(f"canary v{canary.version} is rolled_back" in a
+                                                 for a in reports[0]["registry"])

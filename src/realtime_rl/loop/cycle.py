@@ -64,6 +64,10 @@ from realtime_rl.monitor import JsonlSink
 from realtime_rl.rewards import RewardLedger, Traffic, compare, read_traffic, traffic_interactions
 from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
 
+REGISTRY_POLL_S = 30.0
+"""How often the loop follows the registry while it waits out a collection window (an operator's rollback)."""
+
+
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     model = load_checkpoint(checkpoint, dtype=torch.float32).model
     return {name: p.detach() for name, p in model.named_parameters()}
@@ -153,21 +157,24 @@ class RealtimeLoop:
         if state.canary is None and self.gate_tasks:
             self.evaluate(self.registry.live())
         in_window = {"champion_eval": round(time.perf_counter() - lap, 2)}
-        remaining = state.window_start + cfg.cycle_period_s - time.time()
-        if remaining > 0 and stop.wait(remaining):
-            state.cycle -= 1
-            return report | {"stopped": True}
+        followed: list[str] = []  # an operator's promote or rollback takes effect within REGISTRY_POLL_S
+        while (remaining := state.window_start + cfg.cycle_period_s - time.time()) > 0:
+            if stop.wait(min(remaining, REGISTRY_POLL_S)):
+                state.cycle -= 1
+                return report | {"stopped": True, "registry": followed}
+            followed += self._follow_registry()
         window_end = time.time()
         t0 = time.perf_counter()
 
         seconds: dict[str, float] = {}  # where the cycle's time after the window went
         lap = time.perf_counter()
-        report["registry"] = self._follow_registry()
+        report["registry"] = followed + self._follow_registry()
         seconds["registry"] = time.perf_counter() - lap
 
         # 2. settle the rewards whose windows closed
         lap = time.perf_counter()
-        update = self.ledger.update(self.store, cfg.rewards, window_end)
+        # at most the store's horizon: on a loop clock ahead of the store's, events still committing would be late
+        update = self.ledger.update(self.store, cfg.rewards, min(window_end, self.store.event_horizon()))
         stats = self.ledger.stats()
         report["rewards"] = {"new_completions": update.completions, "settled": len(update.settled),
                              **asdict(stats), "rules": cfg.rewards.version}
