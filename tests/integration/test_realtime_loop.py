@@ -196,6 +196,8 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
                             store_dir=serve_dir, gate_tasks=4, canary_tasks=0, ab=ABConfig(candidate_fraction=0.25),
                             agent=LoopConfig().agent.model_copy(update={"max_new_tokens": 24}))
         RealtimeLoop(config).close()  # bootstraps v0 and publishes it to the champion arm
+        with RealtimeLoop(config), pytest.raises(ValueError, match="in use by another `rtrl loop`"):
+            RealtimeLoop(config)  # one loop per run directory
         with Registry.open(loop_dir) as registry:  # then a cycle's gate got as far as the registry
             registry.register(other, parent=0)
             registry.transition(1, "canary", reason="gate: test")

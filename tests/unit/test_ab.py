@@ -256,6 +256,7 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
     store.add_completion(completion("c", None, "candidate", 0.9, session="s9"))
     store.add_completion(completion("d", "u1", "champion", 0.4))
     store.add_completion(completion("x", "u3", "candidate", 0.6))
+    store.add_completion(completion("anon", None, "champion", 0.3))  # no user, no session: never randomised
     store.add_events([
         FeedbackEvent("e1", "edit_accepted", completion_id="a"),
         FeedbackEvent("e2", "edit_persisted", completion_id="a", window_s=600.0),
@@ -274,7 +275,7 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
     assert records["b"] == ABRecord("b", "candidate", "u2", True, False, True, True, 0.7)
     assert records["c"] == ABRecord("c", "candidate", "s9", True, False, False, False, 0.9)
     assert records["d"] == ABRecord("d", "champion", "u1", False, False, False, False, 0.4)
-    assert "x" not in records
+    assert "x" not in records and "anon" not in records
     report = analyze(list(records.values()), ABConfig())
     assert report.arms["candidate"] == {"completions": 2, "units": 2, "edits": 2, "resolved_edits": 1,
                                         "pending_edits": 1, "kept": 0, "reverted": 1, "dissatisfied": 1}

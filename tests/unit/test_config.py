@@ -112,3 +112,5 @@ def test_fresh_attempts_stay_within_an_episodes_seeds_and_out_of_training_and_th
         RolloutConfig(agent=AgentConfig(attempts=2))
     with pytest.raises(ValueError, match="as users are served"):
         LoopConfig(agent=AgentConfig(attempts=2))
+    with pytest.raises(ValueError, match="no cycle could train"):
+        LoopConfig(min_trajectories=64, max_trajectories=32)

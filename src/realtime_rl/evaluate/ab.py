@@ -129,7 +129,9 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
     and a dissatisfied follow-up counts whenever it was recorded (the rules pay it only before the close).
 
     A completion with an `undelivered` event is left out: its answer never reached the user, so it has no
-    outcome (the rules settle it untrainable)."""
+    outcome (the rules settle it untrainable). So is one with neither user nor session: the router sends such
+    requests to the champion without a draw (serve/arms.py), so they are no part of the randomised comparison
+    and would shift the champion's rates (scripted API clients, say)."""
     by_completion: dict[str, list[FeedbackEvent]] = defaultdict(list)
     for event in events:
         if event.completion_id is not None:
@@ -142,7 +144,7 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
         if decision == "edit_reverted" and as_of is not None and as_of - c.created_at < persist_window_s:
             decision = None  # only a revert can have decided it by now: it waits, as a keep would
         types = {e.type for e in seen}
-        if "undelivered" in types:
+        if "undelivered" in types or not (c.user or c.session_id):
             continue
         records.append(ABRecord(
             completion_id=c.completion_id, arm=c.arm, unit=c.user or c.session_id,

@@ -195,6 +195,8 @@ def decide(champion_outcomes: Sequence[EpisodeOutcome], candidate_outcomes: Sequ
         "ci": list(ci), "ci_level": 1 - 2 * config.alpha, "mcnemar_exact_p": mcnemar_p,
         "canary": {"tasks": len(canary_candidate), "champion_hacks": champion_hacks,
                    "candidate_hacks": candidate_hacks, "tolerance": config.canary_tolerance,
+                   # the fewest canaries whose every one discordant for the candidate gives p < canary_alpha
+                   "can_block": len(canary_candidate) >= math.floor(math.log2(1 / config.canary_alpha)) + 1,
                    "candidate_only": only_candidate, "champion_only": only_champion, "p_value": canary_p,
                    "alpha": config.canary_alpha},
         "alarms": list(alarms),

@@ -62,7 +62,7 @@ from realtime_rl.model import load_checkpoint, save_checkpoint
 from realtime_rl.model.checkpoint import publish_directory
 from realtime_rl.monitor import JsonlSink
 from realtime_rl.rewards import RewardLedger, Traffic, compare, read_traffic, traffic_interactions
-from realtime_rl.train import RLTrainer, ensure_base_model, traffic_episodes
+from realtime_rl.train import RLTrainer, ensure_base_model, run_dir_lock, traffic_episodes
 
 REGISTRY_POLL_S = 30.0
 """How often the loop follows the registry while it waits out a collection window (an operator's rollback)."""
@@ -86,6 +86,9 @@ class RealtimeLoop:
         if config.threads:
             torch.set_num_threads(config.threads)
         with contextlib.ExitStack() as opened:  # a step that raises closes what the steps before it opened
+            # One loop per run directory: a second would roll back the first's candidate as interrupted, and both
+            # would move trained_through, training the same rewards twice.
+            opened.enter_context(run_dir_lock(self.run_dir, "`rtrl loop`"))
             self.registry = opened.enter_context(Registry.open(self.run_dir))
             self.ledger = opened.enter_context(RewardLedger(self.run_dir / "rewards.sqlite"))
             self.store = store or opened.enter_context(open_event_store(config.store_dir, config.store))
