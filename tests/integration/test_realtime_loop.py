@@ -256,6 +256,13 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
             monkeypatch.setattr(cycle, "decide", operator_rolls_back_meanwhile)
             gate = loop._gate_and_deploy(candidate)
             assert gate["decision"] == "overruled" and "is rolled_back, no longer candidate" in gate["reasons"][0]
+
+            # A candidate trained from a version that is no longer live (rolled back by hand while it trained)
+            # is not gated against the restored one: it would undo the operator's rollback if it won.
+            orphan = loop.registry.register(other, parent=1)
+            gate = loop._gate_and_deploy(orphan)
+            assert gate["decision"] == "rejected" and "trained from v1, which is no longer live" in gate["reasons"][0]
+            assert loop.registry.get(orphan.version).state == "rolled_back" and loop.state.canary is None
             assert [t.to_state for t in loop.registry.history(candidate.version)] == ["candidate", "rolled_back"]
             assert loop.state.canary is None and loop.gateway.traffic()["candidate_fraction"] == 0.0
 

@@ -415,6 +415,10 @@ class RealtimeLoop:
     def _gate_and_deploy(self, candidate: PolicyVersion) -> dict[str, Any]:
         cfg = self.config
         champion = self.registry.live()
+        if candidate.parent is not None and candidate.parent != champion.version:
+            # The live version changed under it (an operator's rollback while it trained): promoting it would
+            # undo that rollback through the back door.
+            return self._reject_stale_lineage(candidate, champion)
         champ_gate, champ_canary = self.evaluate(champion)
         cand_gate, cand_canary = self.evaluate(candidate)
         difficulty = {t.task_id: str(t.metadata.get("difficulty")) for t in self.gate_tasks}
@@ -442,6 +446,18 @@ class RealtimeLoop:
                            f"({'; '.join(reasons)})")
         return {"version": candidate.version, "champion": champion.version, "decision": verdict, **evidence,
                 "reasons": reasons}
+
+    def _reject_stale_lineage(self, candidate: PolicyVersion, champion: PolicyVersion) -> dict[str, Any]:
+        reason = (f"trained from v{candidate.parent}, which is no longer live (v{champion.version} is): not gated "
+                  "against another lineage")
+        verdict, reasons = "rejected", [reason]
+        try:
+            self.registry.transition(candidate.version, "rolled_back", reason="gate: " + reason, expect="candidate")
+        except StateChanged as e:
+            verdict, reasons = "overruled", [f"the gate said rejected, but {e}", reason]
+            self._follow_registry()
+        self.console.print(f"gate v{candidate.version} vs v{champion.version}: [bold]{verdict}[/bold] ({reason})")
+        return {"version": candidate.version, "champion": champion.version, "decision": verdict, "reasons": reasons}
 
     def _deploy_canary(self, version: int) -> None:
         """Publish the canary's weights to the candidate arm (unless they are its store's last), wait until the
