@@ -61,6 +61,8 @@ def traffic_by_version(run_dir: Path, since: float, until: float,
     version, records = _traffic(run_dir, since, until, persist_window_s, horizon_s)
     out: dict[int, dict[str, float]] = {}
     for r in records:
+        if not r.delivered:  # never reached its user: no outcome
+            continue
         s = out.setdefault(version[r.completion_id], {"completions": 0, "kept": 0, "reverted": 0, "dissatisfied": 0})
         s["completions"] += 1
         s["kept"] += r.kept

@@ -275,10 +275,14 @@ def test_records_join_completions_and_feedback_from_the_event_store(tmp_path):
     assert records["b"] == ABRecord("b", "candidate", "u2", True, False, True, True, 0.7)
     assert records["c"] == ABRecord("c", "candidate", "s9", True, False, False, False, 0.9)
     assert records["d"] == ABRecord("d", "champion", "u1", False, False, False, False, 0.4)
-    assert "x" not in records and "anon" not in records
+    assert "anon" not in records
+    # undelivered: its latency counts (a slow arm's abandoned replies), no outcome does
+    assert records["x"] == ABRecord("x", "candidate", "u3", False, False, False, False, 0.6, delivered=False)
     report = analyze(list(records.values()), ABConfig())
     assert report.arms["candidate"] == {"completions": 2, "units": 2, "edits": 2, "resolved_edits": 1,
-                                        "pending_edits": 1, "kept": 0, "reverted": 1, "dissatisfied": 1}
+                                        "pending_edits": 1, "kept": 0, "reverted": 1, "dissatisfied": 1,
+                                        "undelivered": 1}
+    assert report.metrics["latency_mean_s"].n_candidate == 3 and report.metrics["dissatisfied"].n_candidate == 2
     assert report.arms["champion"]["units"] == 1 and report.metrics["edits_kept"].champion.value == 1.0
     assert report.decision == "continue"
     store.close()

@@ -105,6 +105,9 @@ class ABRecord:
     reverted: bool
     dissatisfied: bool
     latency_s: float
+    delivered: bool = True
+    """False: the gateway marked it `undelivered` (the answer never reached the user). It has no outcome, so
+    only its latency counts: a slow arm whose users leave must not look faster for the replies they left."""
 
 
 def ab_records(completions: Iterable[CompletionRecord], events: Iterable[FeedbackEvent],
@@ -128,8 +131,8 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
     reply, or one accepted within the follow-up window); here any completion with an edit event counts,
     and a dissatisfied follow-up counts whenever it was recorded (the rules pay it only before the close).
 
-    A completion with an `undelivered` event is left out: its answer never reached the user, so it has no
-    outcome (the rules settle it untrainable). So is one with neither user nor session: the router sends such
+    A completion with an `undelivered` event counts for latency only (`delivered` False): its answer never
+    reached the user, so it has no outcome (the rules settle it untrainable). So is one with neither user nor session: the router sends such
     requests to the champion without a draw (serve/arms.py), so they are no part of the randomised comparison
     and would shift the champion's rates (scripted API clients, say)."""
     by_completion: dict[str, list[FeedbackEvent]] = defaultdict(list)
@@ -144,13 +147,14 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
         if decision == "edit_reverted" and as_of is not None and as_of - c.created_at < persist_window_s:
             decision = None  # only a revert can have decided it by now: it waits, as a keep would
         types = {e.type for e in seen}
-        if "undelivered" in types or not (c.user or c.session_id):
+        if not (c.user or c.session_id):
             continue
+        delivered = "undelivered" not in types
         records.append(ABRecord(
             completion_id=c.completion_id, arm=c.arm, unit=c.user or c.session_id,
-            edited=bool(types & EDIT_EVENTS) and decision != "edit_rejected", kept=decision == "edit_persisted",
-            reverted=decision == "edit_reverted", dissatisfied="followup_dissatisfied" in types,
-            latency_s=c.latency_s))
+            edited=delivered and bool(types & EDIT_EVENTS) and decision != "edit_rejected",
+            kept=delivered and decision == "edit_persisted", reverted=delivered and decision == "edit_reverted",
+            dissatisfied=delivered and "followup_dissatisfied" in types, latency_s=c.latency_s, delivered=delivered))
     return records
 
 
@@ -222,22 +226,26 @@ def analyze(records: Sequence[ABRecord], config: ABConfig) -> ABReport:
             raise ValueError(f"completion {r.completion_id}: arm {r.arm!r} is neither 'champion' nor 'candidate'")
     by_arm = {arm: [r for r in records if r.arm == arm] for arm in ARMS}
     arms = {}
-    for arm, rs in by_arm.items():
+    for arm, everything in by_arm.items():
+        rs = [r for r in everything if r.delivered]
         kept, reverted, edits = sum(r.kept for r in rs), sum(r.reverted for r in rs), sum(r.edited for r in rs)
         arms[arm] = {"completions": len(rs), "units": len({r.unit for r in rs if r.unit is not None}),
                      "edits": edits, "resolved_edits": kept + reverted, "pending_edits": edits - kept - reverted,
-                     "kept": kept, "reverted": reverted, "dissatisfied": sum(r.dissatisfied for r in rs)}
+                     "kept": kept, "reverted": reverted, "dissatisfied": sum(r.dissatisfied for r in rs),
+                     "undelivered": len(everything) - len(rs)}
     # Cluster codes shared by both arms (a unit seen in both stays one cluster); a completion with neither
     # user nor session is a cluster of its own.
     codes: dict[Any, int] = {}
     groups = np.array([codes.setdefault(r.unit if r.unit is not None else (r.completion_id,), len(codes))
                        for r in records], dtype=np.int64)
     is_candidate = np.array([r.arm == "candidate" for r in records], dtype=bool)
-    resolved = np.array([r.kept or r.reverted for r in records], dtype=bool)
+    delivered = np.array([r.delivered for r in records], dtype=bool)
+    resolved = np.array([r.kept or r.reverted for r in records], dtype=bool)  # delivered ones only
     kept = np.array([r.kept for r in records], dtype=float)
     unhappy = np.array([r.dissatisfied for r in records], dtype=float)
     edits_kept = rate("edits kept %", kept[resolved], is_candidate[resolved], groups[resolved], config)
-    dissatisfied = rate("dissatisfied follow-ups %", unhappy, is_candidate, groups, config)
+    dissatisfied = rate("dissatisfied follow-ups %", unhappy[delivered], is_candidate[delivered], groups[delivered],
+                        config)
     p50, mean = latency(np.array([r.latency_s for r in records], dtype=float), is_candidate, groups, config)
     metrics = {"edits_kept": edits_kept, "dissatisfied": dissatisfied, "latency_p50_s": p50,
                "latency_mean_s": mean}
