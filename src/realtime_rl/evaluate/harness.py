@@ -111,13 +111,18 @@ def evaluate_policy(
     include_hidden: bool = True,
 ) -> EvalReport:
     """Run `samples` episodes per task and grade each in a fresh sandbox. The policy of sample i of task k is
-    make_policy(k * samples + i): each episode gets its own index, for its own seed (task_seed)."""
+    make_policy(k * samples + i): each episode gets its own index, for its own seed (task_seed). A grading that
+    timed out is run once more: a run starved by a loaded machine (the gate shares it with serving) must not
+    count as a failed solution in an evaluation the loop caches and compares every later candidate with; a
+    solution that really loops times out twice."""
     jobs = [(task, k * samples + i) for k, task in enumerate(tasks) for i in range(samples)]
 
     def one(job: tuple[Task, int]) -> tuple[str, GradeResult, dict[str, Any]]:
         task, index = job
         result = run_episode(make_policy(index), tokenizer, task, runner, agent)
         g = grade(task, result.workspace.snapshot(), grader, include_hidden, agent.test_timeout_s)
+        if g.timed_out:
+            g = grade(task, result.workspace.snapshot(), grader, include_hidden, agent.test_timeout_s)
         result.episode.passed = g.passed
         return task.task_id, g, episode_summary(result.episode)
 
