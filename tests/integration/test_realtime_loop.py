@@ -289,3 +289,14 @@ def test_a_canary_adopted_after_a_stop_before_its_traffic_share_is_deployed_agai
                 waiting.join(30)
             assert reports[0]["stopped"] and any(f"canary v{canary.version} is rolled_back" in a
                                                  for a in reports[0]["registry"])
+
+            # A canary whose parent stops being live (its lineage rolled back by hand) is rolled back, not judged:
+            # its A/B's champion side mixed two versions, and a promote would undo the operator's rollback.
+            stray = loop.registry.register(other, parent=1)
+            loop.registry.transition(stray.version, "canary", reason="operator: by hand")
+            loop._follow_registry()
+            assert loop.state.canary == stray.version and loop.gateway.traffic()["candidate_fraction"] == 0.25
+            verdict = loop._judge_canary(time.time())
+            assert verdict["decision"] == "rollback" and "parent v1 is no longer live (v2 is)" in verdict["reason"]
+            assert loop.registry.get(stray.version).state == "rolled_back" and loop.state.canary is None
+            assert loop.gateway.traffic()["candidate_fraction"] == 0.0

@@ -287,6 +287,13 @@ class RealtimeLoop:
             reason = "deployed after this cycle's window: judged from the next"
             self.console.print(f"canary v{version}: {reason}")
             return {"version": version, "decision": "continue", "reason": reason}
+        canary, live = self.registry.get(version), self.registry.live()
+        if canary.parent is not None and canary.parent != live.version:
+            # The live version changed under it (rolled back by hand): its A/B's champion side mixes two versions,
+            # and a promote would undo the operator's rollback.
+            verdict, evidence = "rollback", {}
+            reason = f"its parent v{canary.parent} is no longer live (v{live.version} is)"
+            return self._conclude_canary(version, verdict, reason, evidence, source="lineage")
         as_of = self.store.event_horizon()  # every event stamped before it is read below
         traffic = read_traffic(self.store, since=state.canary_since, until=window_end)
         events = [e for evs in traffic.events.values() for e in evs]
@@ -308,21 +315,26 @@ class RealtimeLoop:
         else:
             reason = "; ".join(ab.reasons)
         self.console.print(ab.table())
+        return self._conclude_canary(version, verdict, reason, evidence)
+
+    def _conclude_canary(self, version: int, verdict: str, reason: str, evidence: dict[str, Any],
+                         source: str = "A/B") -> dict[str, Any]:
+        state = self.state
         # The registry first, and only if the version is still the canary: a loop stopped before the weights
         # and the traffic share follow does that on restart (_follow_registry), and an operator who promoted or
         # rolled it back while the A/B was computed has the last word (their decision is followed instead).
         try:
             if verdict == "promote":
-                new = self.registry.promote(version, reason=f"A/B: {reason}", evidence=evidence, expect="canary")
+                new = self.registry.promote(version, reason=f"{source}: {reason}", evidence=evidence, expect="canary")
                 if self.champion_serves != version:
                     self._publish_champion(new)  # a lossless delta to the champion arm
                 self._await_arm("champion", version)  # the canary's users move over only once it serves them there
                 self.gateway.set_candidate_fraction(0.0)
             elif verdict == "rollback":
-                self.registry.rollback(version, reason=f"A/B: {reason}", evidence=evidence, expect="canary")
+                self.registry.rollback(version, reason=f"{source}: {reason}", evidence=evidence, expect="canary")
                 self.gateway.set_candidate_fraction(0.0)
         except StateChanged as e:
-            verdict, reason = "overruled", f"A/B said {verdict} ({reason}), but {e}"
+            verdict, reason = "overruled", f"{source} said {verdict} ({reason}), but {e}"
             self._follow_registry()
         if verdict in ("promote", "rollback"):
             state.end_canary()
