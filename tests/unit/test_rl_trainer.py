@@ -623,7 +623,9 @@ def test_a_skipped_updates_non_finite_loss_is_left_out_of_the_step_metrics(tmp_p
     def second_is_nan(*args, **kwargs):
         loss, sums = loss_of(*args, **kwargs)
         calls.append(1)
-        return (loss * float("nan"), {k: v * float("nan") for k, v in sums.items()}) if len(calls) == 2 else (loss, sums)
+        if len(calls) != 2:
+            return loss, sums
+        return loss * float("nan"), {k: v * float("nan") for k, v in sums.items()}
 
     monkeypatch.setattr(rl, "policy_loss", second_is_nan)
     metrics = trainer.step(_episodes(engine, 0))

@@ -132,9 +132,9 @@ def ab_records(completions: Iterable[CompletionRecord], events: Iterable[Feedbac
     and a dissatisfied follow-up counts whenever it was recorded (the rules pay it only before the close).
 
     A completion with an `undelivered` event counts for latency only (`delivered` False): its answer never
-    reached the user, so it has no outcome (the rules settle it untrainable). So is one with neither user nor session: the router sends such
-    requests to the champion without a draw (serve/arms.py), so they are no part of the randomised comparison
-    and would shift the champion's rates (scripted API clients, say)."""
+    reached the user, so it has no outcome (the rules settle it untrainable). One with neither user nor session is
+    left out: the router sends such requests to the champion without a draw (serve/arms.py), so they are no part
+    of the randomised comparison and would shift the champion's rates (scripted API clients, say)."""
     by_completion: dict[str, list[FeedbackEvent]] = defaultdict(list)
     for event in events:
         if event.completion_id is not None:

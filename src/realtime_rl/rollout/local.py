@@ -6,8 +6,8 @@ job raised: a group failure), ("error", wid, text) (the worker failed), where jo
 or a shard of one) and report is RolloutWorker.report() (tokens so far, engine stats). A job's episodes travel
 as episode_to_bytes blobs (no pickle of episodes across the boundary) in a file of the worker's scratch
 directory, whose path the message carries: every message a worker sends stays under PIPE_BUF, so it reaches
-the shared pipe whole or not at all. (A group's megabytes on the pipe itself could be cut off by a worker killed mid-send, and the
-trainer's next read then blocked for good on the rest of a message nobody would write.)
+the shared pipe whole or not at all. (A group's megabytes on the pipe itself could be cut off by a worker killed
+mid-send, and the trainer's next read then blocked for good on the rest of a message nobody would write.)
 Weights travel through the weight-sync path of `realtime_rl.deploy`: the trainer's WeightPublisher
 writes a verified lossless delta (and periodic snapshots) into run_dir/weights on the filesystem
 transport; each worker's WeightSubscriber follows the chain and hands the rebuilt state to its

@@ -165,7 +165,8 @@ class WarmPool:
         try:
             slot = slot or self._start()
             reply = slot.request({"files": b64_files(encoded), "test_files": tests, "timeout_s": timeout,
-                                  "output_bytes": self.config.output_bytes, "limits": limits(self.config, slot.process.nproc_rlimit)},
+                                  "output_bytes": self.config.output_bytes,
+                                  "limits": limits(self.config, slot.process.nproc_rlimit)},
                                  timeout + REPLY_GRACE_S)
             healthy = slot
         except (SlotError, OSError, TimeoutError) as e:

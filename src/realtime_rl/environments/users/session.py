@@ -304,7 +304,8 @@ def followup_messages(answer: Answer, results: dict[str, ToolOutcome],
                       reply: str | None) -> list[dict[str, Any]]:
     """What a user appends to the conversation to ask for the next completion: the assistant's message, a tool
     message per call, and the user's reply (as the answer to ask_user when the assistant asked, none after a
-    "working" answer, else as a user message). The pre-training corpus builds its follow-up documents with it (train/corpus.py)."""
+    "working" answer, else as a user message). The pre-training corpus builds its follow-up documents with it
+    (train/corpus.py)."""
     assistant: dict[str, Any] = {"role": "assistant", "content": answer.content}
     if answer.tool_calls:
         assistant["tool_calls"] = [c.model_dump() for c in answer.tool_calls]
