@@ -321,17 +321,23 @@ def test_ray_backend(tmp_path, tiny_checkpoint):
 
 
 
+def _started_ray_backend(tmp_path: Path, tiny_checkpoint: Path, workers: int):
+    """A RayBackend of `workers` actors on the tiny model, started (Ray initialised by the caller)."""
+    from realtime_rl.rollout.ray_actors import RayBackend
+
+    rollout = _config(tmp_path / "run", tiny_checkpoint, backend="ray").rollout
+    backend = RayBackend(rollout.model_copy(update={"workers": workers}), tiny_checkpoint, group_size=2)
+    model = load_checkpoint(tiny_checkpoint).model
+    backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
+    return backend
+
+
 def test_closing_ray_workers_stops_every_one_when_one_has_died(tmp_path, tiny_checkpoint):
     ray = pytest.importorskip("ray")
-    from realtime_rl.model import load_checkpoint
-    from realtime_rl.rollout.ray_actors import RayBackend
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        rollout = _config(tmp_path / "run", tiny_checkpoint, backend="ray").rollout
-        backend = RayBackend(rollout.model_copy(update={"workers": 2}), tiny_checkpoint, group_size=2)
-        model = load_checkpoint(tiny_checkpoint).model
-        backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
+        backend = _started_ray_backend(tmp_path, tiny_checkpoint, workers=2)
         dead, alive = backend._actors
         scratch = [Path(path) for _, path in backend._where]
         assert all(path.is_dir() and path.name.startswith(f"rtrl-worker-{i}-") for i, path in enumerate(scratch))
@@ -577,15 +583,11 @@ def test_a_run_whose_every_group_fails_stops_with_the_error(tmp_path, tiny_check
 
 def test_a_ray_group_that_raises_is_a_failure_and_the_actor_goes_on(tmp_path, tiny_checkpoint):
     ray = pytest.importorskip("ray")
-    from realtime_rl.rollout.ray_actors import RayBackend
     from realtime_rl.rollout.worker import GroupJob
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        rollout = _config(tmp_path / "run", tiny_checkpoint, backend="ray").rollout
-        backend = RayBackend(rollout.model_copy(update={"workers": 1}), tiny_checkpoint, group_size=2)
-        model = load_checkpoint(tiny_checkpoint).model
-        backend.start({name: p.detach() for name, p in model.named_parameters()}, 0)
+        backend = _started_ray_backend(tmp_path, tiny_checkpoint, workers=1)
         try:
             backend.submit(GroupJob("bad", 0, 99, 2, 0, 0))
             backend.submit(GroupJob("good", 0, 1, 2, 0, 0))

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from realtime_rl.bench.vs_trl import (
-    FULL, FirstTurnReward, crossings, first_turn_prompt, minutes_to_target, monotone, per_step,
-    ratio_intervals, ratio_of, snapshot_steps, task_at,
+from realtime_rl.bench.vs_trl import FULL, FirstTurnReward, first_turn_prompt, task_at
+from realtime_rl.bench.vs_trl_curves import (
+    crossings, minutes_to_target, monotone, per_step, ratio_intervals, ratio_of, snapshot_steps,
 )
 from realtime_rl.environments import WarmPool, run_episode
 from realtime_rl.environments.policies import ScriptedPolicy
