@@ -420,6 +420,21 @@ def test_a_tiny_entropy_coef_does_not_scale_down_the_policy_gradient(tmp_path, m
     assert without.abs().max() > 0 and torch.allclose(without, tiny, rtol=1e-3, atol=1e-6)  # packing may differ
 
 
+def test_metrics_average_over_the_tokens_they_sum(tmp_path):
+    """With entropy_coef set, episodes without signal join the step for the entropy term: the metrics sum over
+    their tokens too, so they divide by every token of the step (the loss keeps the policy gradient's divisor).
+    Every token here is far off-policy, so IcePop masks all of them: a fraction of exactly 1."""
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    episodes = _episodes(engine, 0) + _episodes(engine, 1)
+    for e in episodes:
+        e.segments[0].logprobs[e.segments[0].loss_mask] = -50.0
+        if e.group_id.startswith("s1-"):
+            e.passed = True  # no signal: only the entropy term brings these in
+    metrics = RLTrainer(_model(), None, RLConfig(group_size=8, entropy_coef=1e-9), tmp_path).step(episodes)
+    assert metrics["train/trained_sequences"] == len(episodes) > metrics["train/groups_with_signal"] * 8
+    assert metrics["train/icepop_masked_fraction"] == pytest.approx(1.0)
+
+
 def test_episode_aggregation_changes_the_step_only_when_lengths_differ(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     equal = _episodes(engine, 0)
@@ -462,13 +477,14 @@ def test_learning_rate_warms_up_then_decays_to_its_floor(tmp_path):
 def test_the_first_minibatch_is_its_own_proximal_policy_without_another_forward(tmp_path, monkeypatch, epochs):
     """The first minibatch's forward runs at the step-start weights: its logprobs, detached, are the proximal
     ones by construction. A separate forward packs rows otherwise (on a GPU in bf16 other kernels: a ratio of
-    the weights to themselves that is not 1, clipping before any update) and costs a forward of those rows."""
+    the weights to themselves that is not 1, clipping before any update) and costs a forward of those rows.
+    Later epochs reuse them: one proximal value per token for the whole step, not two computed two ways."""
     from realtime_rl.train import rl
 
-    seen, up_front = [], []
+    calls, up_front = [], []
 
     def policy_loss(new_lp, prox_lp, *args):
-        seen.append(bool(torch.equal(new_lp.detach(), prox_lp)))
+        calls.append((new_lp.detach().clone(), prox_lp.clone()))
         return real(new_lp, prox_lp, *args)
 
     real = rl.policy_loss
@@ -478,9 +494,11 @@ def test_the_first_minibatch_is_its_own_proximal_policy_without_another_forward(
     no_grad = trainer._logprobs_no_grad
     monkeypatch.setattr(trainer, "_logprobs_no_grad", lambda items: up_front.append(len(items)) or no_grad(items))
     rows = int(trainer.step(_episodes(engine, 0))["train/trained_sequences"])
-    assert len(seen) >= 2 * epochs and seen[0]  # the first minibatch: exactly the step-start policy
-    # Up front: the second minibatch's rows alone (one epoch), or every row (later epochs revisit the first's).
-    assert up_front == ([rows // 2] if epochs == 1 else [rows])
+    assert len(calls) >= 2 * epochs and torch.equal(*calls[0])  # the first minibatch: exactly the step-start policy
+    assert up_front == [rows // 2]  # up front: the second minibatch's rows alone, in every epoch count
+    if epochs == 2:  # the second epoch starts with the first minibatch again, at the proximal values of epoch 0
+        first, again = calls[0], calls[len(calls) // 2]
+        assert torch.equal(again[1], first[1]) and not torch.equal(again[0], first[0])
 
 
 def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):

@@ -172,7 +172,8 @@ def policy_loss(new_N: torch.Tensor, prox_N: torch.Tensor, behav_N: torch.Tensor
 
     entropy_N: the new policy's entropy at each token (with gradient), needed when cfg.entropy_coef != 0.
     Returns (loss, sums) where sums are per-metric token sums (clipped, masked, k3 of behaviour vs
-    proximal, KL to the reference), to be divided by num_tokens once all micro-batches are done.
+    proximal, KL to the reference) over all N tokens, to be divided by the step's token count (every token
+    trained, not num_tokens: with entropy_coef set, zero-advantage episodes' tokens are summed too).
     """
     prox_N = prox_N.detach()
     with torch.no_grad():

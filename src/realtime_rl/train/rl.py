@@ -299,10 +299,11 @@ class RLTrainer:
             group["lr"] = lr
         # The proximal policy is the weights at the step start. The first minibatch's forward runs at them, so its
         # own logprobs, detached, are the proximal ones exactly (a separate forward packs rows otherwise, and in
-        # bf16 a ratio that should be 1 would not be); the other minibatches' and epochs' are computed up front.
+        # bf16 a ratio that should be 1 would not be), and later epochs reuse them: one proximal value per token
+        # for the whole step. The other minibatches' are computed up front.
         minibatches = [list(range(mb, len(items), cfg.minibatches)) for mb in range(min(cfg.minibatches, len(items)))]
-        later = [items[i] for mb in (minibatches if cfg.ppo_epochs > 1 else minibatches[1:]) for i in mb]
-        prox = self._logprobs_no_grad(later) if later else None
+        later = [items[i] for mb in minibatches[1:] for i in mb]
+        prox = self._logprobs_no_grad(later) if later else {}
         totals: dict[str, float] = defaultdict(float)  # over the updates taken
         mismatch = {"tokens": 0, "k3": 0.0, "max": 0.0}  # over tokens of the current version, first pass only
         num_updates, micro_batches, norms = 0, 0, []
@@ -311,19 +312,19 @@ class RLTrainer:
             for mb, chosen in enumerate(minibatches):
                 # The divisor counts the tokens with a policy gradient: segments of zero-advantage episodes, which
                 # only the entropy term brings in, must not scale down the others' (a tiny entropy_coef did so)
-                num_tokens = (sum(items[i][0].num_generated for i in chosen if items[i][1] != 0.0)
-                              or sum(items[i][0].num_generated for i in chosen))
+                all_tokens = sum(items[i][0].num_generated for i in chosen)
+                num_tokens = sum(items[i][0].num_generated for i in chosen if items[i][1] != 0.0) or all_tokens
                 self.optimizer.zero_grad(set_to_none=True)
                 update: dict[str, float] = defaultdict(float)
                 for micro in pack_micro_batches([(items[i][0], items[i][1]) for i in chosen], self.micro_batch_tokens,
                                             self._replays):
-                    sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens,
-                                                                       None if epoch == mb == 0 else prox)
+                    sums, fresh, (computed, padded) = self._micro_step(micro, num_tokens, prox,
+                                                                       record_prox=epoch == mb == 0)
                     micro_batches += 1
                     positions["computed"] += computed
                     positions["padded"] += padded
-                    for k, v in sums.items():
-                        update[k] += v / num_tokens
+                    for k, v in sums.items():  # the loss is the objective's; the metrics average their tokens
+                        update[k] += v / (num_tokens if k == "loss" else all_tokens)
                     if epoch == 0:  # the proximal logprobs are those of the weights at the step start
                         mismatch["tokens"] += fresh[0]
                         mismatch["k3"] += fresh[1]
@@ -440,13 +441,18 @@ class RLTrainer:
                 out[id(seg)] = part
         return out
 
-    def _micro_step(self, micro: list[tuple[Segment, float]], num_tokens: int, prox: dict[int, torch.Tensor] | None
-                    ) -> tuple[dict[str, float], tuple[int, float, float], tuple[int, int]]:
+    def _micro_step(self, micro: list[tuple[Segment, float]], num_tokens: int, prox: dict[int, torch.Tensor],
+                    record_prox: bool = False) -> tuple[dict[str, float], tuple[int, float, float], tuple[int, int]]:
         """Forward, loss, backward of one micro-batch: (metric sums, (fresh tokens, their k3 sum, max |diff|),
-        (input positions computed, padded))."""
+        (input positions computed, padded)). record_prox: the weights are the step start's, so this forward's
+        logprobs, detached, are the proximal ones; they are stored in `prox` for later epochs."""
         batch = self._batch(micro)
         new_lp, logp = self._logprobs(batch)
-        prox_lp = new_lp.detach() if prox is None else torch.cat([prox[id(seg)] for seg, _ in micro])
+        if record_prox:
+            prox_lp = new_lp.detach()
+            prox.update({id(seg): part for (seg, _), part in zip(micro, prox_lp.split(batch.rows))})
+        else:
+            prox_lp = torch.cat([prox[id(seg)] for seg, _ in micro])
         ref_lp = None
         if self.reference is not None and self.config.kl_coef > 0:
             with torch.no_grad():
