@@ -214,6 +214,17 @@ def test_out_of_order_and_foreign_base_are_rejected(real_pair):
         encode_delta(new, base)
 
 
+def test_an_unchanged_tensor_whose_base_has_the_same_bits_as_another_dtype_or_shape_is_rejected():
+    """The digests hash bits only: a base holding an unchanged tensor's bytes as fp16 [4, 4] instead of bf16 [16]
+    passes them, and the tensor came back reinterpreted under a state digest that matched."""
+    w = torch.randn(16).to(torch.bfloat16)
+    base = WeightState.of({"w": w, "b": torch.zeros(4)}, 1)
+    blob = encode_delta(base, WeightState.of({"w": w, "b": torch.ones(4)}, 2))
+    for other in (w.view(torch.float16).reshape(4, 4), w.reshape(4, 4)):
+        with pytest.raises(DeltaError, match="w: marked unchanged"):
+            decode(blob, WeightState.of({"w": other, "b": torch.zeros(4)}, 1))
+
+
 def test_a_wrong_tensor_with_a_valid_trailer_fails_its_tensor_digest(real_pair):
     """Corruption before the trailer was computed (a codec bug, a bad disk at the publisher)."""
     base, _, blob = real_pair

@@ -120,6 +120,46 @@ def test_directories_a_killed_publish_or_remove_left_are_swept_when_old(tmp_path
     assert transport.sweep(older_than_s=5) == [".staging-recent"] and transport.fetch(1, "delta") == BLOBS["delta"]
 
 
+def test_a_published_version_is_readable_by_other_users_as_the_umask_allows(tmp_path):
+    """mkdtemp's 0700 staging directory became the version's mode: subscribers running as another user on the
+    share could not list it, and every poll of theirs failed."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    FilesystemTransport(tmp_path).publish(1, BLOBS)
+    assert (tmp_path / "0000000001").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_failing_disk_is_a_transport_error_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Every call finishes or raises TransportError: ENOSPC while writing and EIO while removing were raw OSErrors
+    (the weights server answered 500, the publisher's prune raised after a publish that landed)."""
+    transport = FilesystemTransport(tmp_path)
+    transport.publish(1, BLOBS)
+    real_open, real_rename = builtins.open, os.rename
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(".rtw"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(TransportError, match="publishing version 2.*No space left"):
+        transport.publish(2, BLOBS)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000000001"]
+
+    def failing(src, dst):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(TransportError, match="removing version 1.*Input/output"):
+        transport.remove(1)
+    client = TestClient(create_weights_app(transport, write_token="s3cret"))
+    answer = client.delete("/weights/1", headers={"Authorization": "Bearer s3cret"})
+    assert answer.status_code == 503 and "Input/output" in answer.text
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert transport.versions() == {1: ["delta", "snapshot"]}
+
+
 def test_a_stalled_call_times_out_with_a_clear_error():
     with pytest.raises(TransportError, match="did not finish within 0.2 s"):
         with_timeout(lambda: time.sleep(5), 0.2, "reading a hung mount")

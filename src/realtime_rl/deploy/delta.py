@@ -255,7 +255,9 @@ def decode(blob: bytes | memoryview, base: WeightState | None = None, workers: i
         fmt = tc.FORMATS[dtype]
         old = base.tensors.get(name) if header.is_delta and base is not None else None
         if codec == tc.SAME:
-            if old is None or base is None or base.digests[name] != digest or len(payload):
+            # the digests hash bits only: the same bytes as another dtype or shape would pass them
+            if (old is None or base is None or base.digests[name] != digest or len(payload)
+                    or old.dtype != fmt.torch_dtype or tuple(old.shape) != shape):
                 raise DeltaError(f"{name}: marked unchanged but the base differs")
             return old, digest
         if old is not None and (old.dtype != fmt.torch_dtype or tuple(old.shape) != shape):

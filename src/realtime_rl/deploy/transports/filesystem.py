@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import time
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -128,18 +128,25 @@ class FilesystemTransport(WeightTransport):
         return self.version_dir(version) / f"{kind}{SUFFIX}"
 
     def staging_dir(self) -> Path:
-        return Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
+        # mkdir under the umask, not mkdtemp: mkdtemp's 0700 would be the published version's mode after the
+        # rename, unreadable to subscribers (and a weights server) running as another user on the share
+        path = self.root / f".staging-{secrets.token_hex(8)}"
+        path.mkdir()
+        return path
 
     def commit(self, staging: Path, version: int) -> None:
         """Rename a filled staging directory to `version`; AlreadyPublished if that version exists."""
-        fsync_path(staging)
         try:
+            fsync_path(staging)
             os.rename(staging, self.version_dir(version))
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             error = AlreadyPublished if self.version_dir(version).exists() else TransportError
             raise error(f"cannot publish version {version} in {self.root}: {exc}") from exc
-        fsync_path(self.root)
+        try:
+            fsync_path(self.root)
+        except OSError as exc:  # the version is visible: published, its name's durability is the share's
+            log.warning("version %d is published in %s, but syncing the directory failed: %s", version, self.root, exc)
 
     def publish(self, version: int, blobs: Mapping[str, bytes]) -> None:
         check_blobs(version, blobs)
@@ -147,15 +154,19 @@ class FilesystemTransport(WeightTransport):
         def write() -> None:
             if self.version_dir(version).exists():  # inside the timeout (commit's rename refuses it anyway)
                 raise AlreadyPublished(f"version {version} is already published in {self.root}")
-            staging = self.staging_dir()
+            staging = None
             try:
+                staging = self.staging_dir()
                 for kind, data in blobs.items():
                     with open(staging / f"{kind}{SUFFIX}", "wb") as f:
                         f.write(data)
                         f.flush()
                         os.fsync(f.fileno())
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
+            except BaseException as exc:
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
+                if isinstance(exc, OSError):  # a full disk, a failing share: a fault to retry, as every call's
+                    raise TransportError(f"publishing version {version} to {self.root}: {exc}") from exc
                 raise
             self.commit(staging, version)
 
@@ -198,6 +209,8 @@ class FilesystemTransport(WeightTransport):
                 os.rename(self.version_dir(version), trash)
             except FileNotFoundError:
                 return
+            except OSError as exc:
+                raise TransportError(f"removing version {version} from {self.root}: {exc}") from exc
             shutil.rmtree(trash, ignore_errors=True)
 
         with_timeout(drop, self.timeout_s, f"removing version {version} from {self.root}", self.root)

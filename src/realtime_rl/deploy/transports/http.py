@@ -184,7 +184,10 @@ def weights_router(store: FilesystemTransport, write_token: str | None = None,
 
     @router.delete("/{version}", status_code=204, dependencies=writer)
     def delete(version: Version) -> None:
-        store.remove(version)
+        try:
+            store.remove(version)
+        except TransportError as exc:
+            raise HTTPException(503, str(exc)) from exc
 
     return router
 
