@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 
 from realtime_rl.collect import SqliteEventStore
 from realtime_rl.config import ApiKey, ModelConfig, ServeConfig
-from realtime_rl.engine import AsyncEngine, Engine
+from realtime_rl.engine import AsyncEngine, Engine, SamplingParams
 from realtime_rl.model import Qwen3ForCausalLM, Tokenizer, render_messages
 from realtime_rl.serve import create_app
 from realtime_rl.serve.completions import text_offsets
@@ -398,6 +398,26 @@ def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_before_generating(api):
     r = client.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
     assert store.count_completions() == 1
+    # The raw UTF-8 bytes of a surrogate: json.loads(bytes) decodes them (surrogatepass). As a stop string the
+    # engine's thread died encoding it (503 for everyone after); as content or prompt, the tokenizer's TypeError, 500.
+    raw = b"\xed\xa0\x80"
+    bodies = {"/v1/chat/completions": [b'"messages": [{"role": "user", "content": "hi"}], "stop": ["%s"]' % raw,
+                                       b'"messages": [{"role": "user", "content": "hi %s"}]' % raw],
+              "/v1/completions": [b'"prompt": "hi %s"' % raw]}
+    for route, fields in bodies.items():
+        for field in fields:
+            body = b'{"model": "%s", %s, "max_tokens": 4}' % (MODEL.encode(), field)
+            r = client.post(route, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "not UTF-8" in r.json()["error"]["message"], r.text
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_a_stop_string_that_is_not_unicode_is_refused_on_the_callers_thread(tokenizer):
+    engine = Engine(Qwen3ForCausalLM(tiny_config()), max_batch=2, max_seq_len=32, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="not Unicode text"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=2, stop=["\ud800"]))
+    assert engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0].samples[0].token_ids
 
 
 def test_response_format_text_is_the_default_it_names():

@@ -104,6 +104,11 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab: int,
     """The prompt as a list of ints, or a ValueError saying what is wrong with the request."""
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need text: this engine has no tokenizer (use stop_token_ids)")
+    for stop in params.stop or ():  # checked here, on the caller's thread: the engine's would die encoding it
+        try:
+            stop.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"stop string {stop!r} is not Unicode text (a lone surrogate)") from None
     if isinstance(prompt_ids, (str, bytes)):
         raise ValueError("the prompt is a sequence of token ids, not text: tokenize it first")
     prompt = [_token_id(t, i) for i, t in enumerate(prompt_ids)]

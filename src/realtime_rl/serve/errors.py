@@ -158,30 +158,37 @@ class BodyLimitMiddleware:
         await self.app(scope, counting_receive, send)
 
 
-def lone_surrogate(body: bytes) -> bool:
-    """Whether a JSON body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): Python's json
-    accepts one, but it is not Unicode text, and the stores (and UTF-8 output) refuse it only once the model has
-    answered. Bodies without a \\u escape cannot hold one and are not parsed here."""
+def not_unicode(body: bytes) -> str | None:
+    """Why a JSON body is not Unicode text, or None. Python's json accepts what is not: an unpaired \\ud800-\\udfff
+    escape, and, from bytes, a surrogate's raw UTF-8 bytes (ED A0 80: it decodes with surrogatepass) or UTF-16/32.
+    The stores (and UTF-8 output) refused such text only once the model had answered; a stop string of it killed
+    the engine's thread. Bodies without a \\u escape hold no escaped surrogate and are not parsed here."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the request body is not UTF-8 text ({exc.reason} at byte {exc.start}); JSON bodies are UTF-8"
     if b"\\u" not in body:
-        return False
+        return None
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested past the stack: the route's own parse answers it
-        return False
-    return not encodable(json.dumps(value, ensure_ascii=False))
+        return None
+    if not encodable(json.dumps(value, ensure_ascii=False)):
+        return ("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which "
+                "is not Unicode text")
+    return None
 
 
 class UnicodeBodyRoute(APIRoute):
-    """A route whose JSON body must be Unicode text throughout: a lone surrogate anywhere in it is a 400 before
-    the handler runs (the body is read once; the handler's parse reuses it)."""
+    """A route whose JSON body must be Unicode text throughout: a body that is not UTF-8, or a lone surrogate
+    anywhere in it, is a 400 before the handler runs (the body is read once; the handler's parse reuses it)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
-            if lone_surrogate(await request.body()):
-                raise ApiError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                                    "without its pair), which is not Unicode text", code="invalid_value")
+            if (why := not_unicode(await request.body())) is not None:
+                raise ApiError(400, why, code="invalid_value")
             return await handler(request)
 
         return checked
