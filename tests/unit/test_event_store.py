@@ -6,12 +6,14 @@ group committer shares commits without mixing up batches; bad records are refuse
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import urllib.parse
 import zlib
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -28,7 +30,7 @@ from realtime_rl.collect.sql import SCHEMA, schema_statements
 from realtime_rl.cli import main
 from realtime_rl.config import ServeConfig
 from realtime_rl.types import FunctionCall, ToolCall, ToolCallError
-from tests.stores import BACKENDS, PG_URL, store_location
+from tests.stores import BACKENDS, PG_URL, postgres_schema, store_location
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -363,6 +365,38 @@ def test_a_conflicting_id_rejects_its_whole_batch(store):
         store.add_events([*fresh, changed])
     assert store.count_events() == 3 and not store.list_events(session_id="sess-fresh-0")
     assert store.list_events()[1].value is None  # the stored event is untouched
+
+
+def test_a_retry_must_repeat_its_content_typed_as_json(store):
+    """In a dict comparison True == 1: a retry that changed an attribute from true to 1 was acknowledged."""
+    store.add_events(make_events("typed", 1))
+    changed = make_events("typed", 1)[0]
+    changed.attributes["ok"] = 1
+    with pytest.raises(EventConflict, match="'typed-0' already recorded with different content"):
+        store.add_events([changed])
+    assert store.list_events()[0].attributes["ok"] is True
+
+
+def test_postgres_keeps_its_guarantees_whatever_the_roles_defaults(tmp_path):
+    """A role or database may set extra_float_digits = 0 (float8 read back at 15 digits: a retry of 0.1 + 0.2 was
+    a conflict, stored times rounded) and REPEATABLE READ (a write's snapshot taken before its lock wait ended)."""
+    with postgres_schema() as url:
+        parts = urllib.parse.urlsplit(url)
+        query = dict(urllib.parse.parse_qsl(parts.query))
+        query["options"] += " -cextra_float_digits=0 -cdefault_transaction_isolation=repeatable\\ read"
+        query = urllib.parse.urlencode(query, quote_via=urllib.parse.quote)  # libpq reads + as +
+        store = open_event_store(tmp_path, urllib.parse.urlunsplit(parts._replace(query=query)))
+        try:
+            event = make_events("f", 1)[0]
+            event.occurred_at = 1700000000.123456789
+            event.attributes["ratio"] = 0.1 + 0.2
+            store.add_events([copy.deepcopy(event)])
+            assert store.add_events([event]).duplicates == ["f-0"]
+            assert store.list_events()[0].occurred_at == event.occurred_at
+            with store._write("feedback_events") as conn:
+                assert conn.execute("SHOW transaction_isolation").fetchone()[0] == "read committed"
+        finally:
+            store.close()
 
 
 def test_batches_sharing_one_commit_stay_atomic_each(store):

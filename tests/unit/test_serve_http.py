@@ -226,6 +226,19 @@ def test_a_record_whose_write_outlasts_the_503_is_marked_undelivered(tmp_path, t
         assert store.list_completions()[0].completion_id == event.completion_id
 
 
+def test_a_store_that_times_out_itself_wrote_nothing_and_marks_nothing(tmp_path, tokenizer):
+    """The store's own lock timeout is a TimeoutError too, but nothing was written: marking it undelivered left
+    an event naming a completion that never exists (held by the ledger forever)."""
+    with gateway(tmp_path, tokenizer) as (client, store, _):
+        def busy(record):
+            raise TimeoutError("event store busy for more than 30 s")
+
+        store.add_completion = busy
+        r = client.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        assert store.list_events() == [] and store.count_completions() == 0
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(tmp_path, tokenizer, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the tokenizer saw an oversized request")

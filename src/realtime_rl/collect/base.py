@@ -237,6 +237,11 @@ class FeedbackEvent:
                 "tool_name": self.tool_name, "error_type": self.error_type, "user": self.user,
                 "attributes": self.attributes, "occurred_at": self.occurred_at}
 
+    def content_key(self) -> str:
+        """content() as canonical JSON, what a retry must repeat: typed as the client's JSON was (in a dict
+        comparison True == 1, so a retry that changed an attribute from true to 1 passed as a duplicate)."""
+        return json.dumps(self.content(), sort_keys=True)
+
 
 @dataclass
 class EventBatchResult:

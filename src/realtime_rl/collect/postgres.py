@@ -103,6 +103,9 @@ class PostgresEventStore(SqlEventStore):
             raise ValueError(f"cannot open the Postgres event store at {redact(self.url)}: {reason}") from None
         try:
             conn.execute("SET synchronous_commit = on")
+            # float8 as text round-trips only with 3 (12+'s default; a role or database may set 0: 15 digits, so a
+            # retry's 0.1 + 0.2 read back as 0.3 was a conflict, and stored times were rounded)
+            conn.execute("SET extra_float_digits = 3")
             conn.execute(f"SET statement_timeout = {timeout_ms}")
         except BaseException:
             conn.close()
@@ -136,7 +139,9 @@ class PostgresEventStore(SqlEventStore):
         return float(conn.execute("SELECT EXTRACT(EPOCH FROM clock_timestamp())").fetchone()[0])
 
     def _begin_write(self, conn: psycopg.Connection, table: str) -> None:
-        conn.execute("BEGIN")
+        # READ COMMITTED whatever the role's default: under REPEATABLE READ the snapshot would be taken by the lock's
+        # SELECT, before the wait ends, and miss the previous writer's rows (a retry then broke the primary key)
+        conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"{self.schema}.{table}.realtime_rl",))
 
     def _in_ids(self, column: str, ids: list[str]) -> tuple[str, tuple[Any, ...]]:

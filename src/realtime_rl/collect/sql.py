@@ -271,7 +271,7 @@ class SqlEventStore(EventStore):
         with self._write("feedback_events") as conn:
             # Only ids already stored come back (retries: few); a new event's content is never compared.
             where, args = self._in_ids("event_id", ids)
-            known = {r[0]: event_from_row(r).content() for r in conn.execute(
+            known = {r[0]: event_from_row(r).content_key() for r in conn.execute(
                 self._q(f"SELECT {_columns(EVENT_COLUMNS)} FROM feedback_events WHERE {where}"), args).fetchall()}
             seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM feedback_events").fetchone()[0]
             recorded_at = self._clock(conn)
@@ -281,10 +281,10 @@ class SqlEventStore(EventStore):
                 for e in batch:
                     prior = known.get(e.event_id)
                     if prior is None and e.event_id in new:
-                        prior = new[e.event_id].content()
+                        prior = new[e.event_id].content_key()
                     if prior is None:
                         new[e.event_id] = e
-                    elif prior == e.content():
+                    elif prior == e.content_key():
                         result.duplicates.append(e.event_id)
                     else:
                         result.conflicts.append(e.event_id)
@@ -295,7 +295,7 @@ class SqlEventStore(EventStore):
                     seq += 1
                     rows.append(event_row(e, seq, recorded_at))
                     written.append((e, seq))
-                    known[event_id] = e.content()
+                    known[event_id] = e.content_key()
                     result.stored.append(event_id)
             if rows:
                 self._insert_events(conn, rows)

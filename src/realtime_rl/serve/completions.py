@@ -298,17 +298,27 @@ def build_record(output: RequestOutput, prepared: Prepared, choices: list[Choice
 
 async def record_completion(state: ServeState, record: CompletionRecord) -> None:
     """Write the record before the answer goes out; a store that fails or stalls is a 503, never a lost record.
-    A write that outlasted STORE_TIMEOUT_S may still commit after the 503: it is marked undelivered."""
+    A write that outlasted STORE_TIMEOUT_S may still commit after the 503: it is marked undelivered. A store that
+    failed by itself wrote nothing (its lock's TimeoutError included): no mark, which would name a completion that
+    never exists."""
+    def write() -> Exception | None:  # the store's own failure comes back as a value, apart from the deadline's
+        try:
+            state.store.add_completion(record)
+        except Exception as e:  # the store is a real boundary: disk full, locked, closed, slow
+            return e
+        return None
+
     try:
-        await asyncio.wait_for(run_in_threadpool(state.store.add_completion, record), STORE_TIMEOUT_S)
+        failed = await asyncio.wait_for(run_in_threadpool(write), STORE_TIMEOUT_S)
     except asyncio.CancelledError:  # the client left (or the server stops) mid-write; the write may still commit
         mark_undelivered(state, record, "client_disconnected")
         raise
-    except Exception as e:  # the store is a real boundary: disk full, locked, closed, slow
-        log.exception("could not record completion %s", record.completion_id)
-        if isinstance(e, TimeoutError):
-            mark_undelivered(state, record, "store_timeout")
-        raise ApiError(503, f"the event store could not record the completion ({type(e).__name__}); retry",
+    except TimeoutError:
+        failed = TimeoutError(f"the write took more than {STORE_TIMEOUT_S} s")
+        mark_undelivered(state, record, "store_timeout")
+    if failed is not None:
+        log.error("could not record completion %s", record.completion_id, exc_info=failed)
+        raise ApiError(503, f"the event store could not record the completion ({type(failed).__name__}); retry",
                        code="store_unavailable", headers={"Retry-After": "1"}) from None
     metrics = state.metrics
     metrics.completions.inc()
