@@ -4,17 +4,20 @@ integrity fault (flipped byte, truncation, wrong base, wrong order) rejected bef
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from realtime_rl.deploy import (
     DeltaError, OutOfOrder, WeightState, decode, encode_delta, encode_snapshot, read_header,
 )
+from realtime_rl.deploy import delta
 from realtime_rl.deploy import tensor_codec as tc
 from realtime_rl.deploy.bits import RiceWriter, best_rice_k, rice_read
 from realtime_rl.model import Qwen3ForCausalLM
@@ -239,6 +242,20 @@ def test_a_wrong_tensor_with_a_valid_trailer_fails_its_tensor_digest(real_pair):
     tampered += hashlib.sha256(tampered).digest()[:16]
     with pytest.raises(DeltaError, match="fails its digest"):
         decode(bytes(tampered), base)
+
+
+def test_a_header_with_a_negative_shape_is_a_delta_error():
+    """A foreign or buggy writer's header, trailer intact: a torch error from reshape escaped the subscriber's
+    fallback to a snapshot, which catches DeltaError."""
+    blob = encode_snapshot(WeightState.of({"w": torch.ones(4)}, 1))
+    fixed = delta._FIXED
+    *head, header_len = fixed.unpack_from(blob)
+    meta = json.loads(zstandard.ZstdDecompressor().decompress(blob[fixed.size:fixed.size + header_len]))
+    meta["tensors"][0][2] = [-4]
+    packed = zstandard.ZstdCompressor().compress(json.dumps(meta).encode())
+    body = fixed.pack(*head, len(packed)) + packed + blob[fixed.size + header_len:-16]
+    with pytest.raises(DeltaError, match="negative shape"):
+        decode(body + hashlib.sha256(body).digest()[:16])
 
 
 def test_non_float_tensors_are_refused_with_a_clear_error():

@@ -220,6 +220,8 @@ def read_header(blob: bytes | memoryview) -> BlobHeader:
         policy_version = None if meta.get("policy_version") is None else int(meta["policy_version"])
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as exc:
         raise DeltaError(f"weight blob header does not parse: {exc}") from exc
+    if any(min((*shape, length)) < 0 for _, _, shape, _, length in tensors):  # a writer's bug, not a torch error
+        raise DeltaError("weight blob header names a negative shape or length")
     at = start + header_len
     digests = [bytes(blob[at + i * DIGEST_BYTES: at + (i + 1) * DIGEST_BYTES]) for i in range(len(tensors))]
     payload_offset = at + len(tensors) * DIGEST_BYTES
