@@ -265,10 +265,69 @@ def test_bad_requests_are_refused(moe, prompt, params, message):
     (dict(stop_token_ids=5), "stop_token_ids must be a list of integers"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(top_k=2.5), "top_k must be an integer"), (dict(temperature=float("nan")), "temperature must be a finite"),
     (dict(ignore_eos="yes"), "ignore_eos must be a bool"),
+    # past int64 (torch.tensor overflowed on the engine's thread), and an iterator the checks used up
+    (dict(top_k=2**63), "top_k must be in"), (dict(stop={"a"}), "stop must be a list of strings"),
 ])
 def test_sampling_params_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_stop_strings_given_as_a_tuple_are_kept_as_a_list():
+    assert SamplingParams(stop=("x", "y")).stop == ["x", "y"]
+
+
+def test_generate_returns_its_own_requests_whatever_else_finishes(moe):
+    """Outputs of requests queued before (add_request, a call that timed out) counted as this call's: it returned
+    early and raised KeyError."""
+    engine = Engine(moe, max_batch=8, max_seq_len=64)
+    with pytest.raises(TimeoutError):
+        engine.generate(prompts(3, 2), GREEDY, timeout_s=0.0)
+    engine.add_request(prompts(4)[0], GREEDY)
+    [out] = engine.generate(prompts(3, seed=1), GREEDY)
+    assert out.prompt_ids == prompts(3, seed=1)[0] and len(out.samples[0].token_ids) == 10
+
+
+def test_prefill_runs_the_lm_head_at_each_rows_last_position_only(moe):
+    """[B, T, vocab] logits for every prompt position: GiBs at a real vocabulary, for B rows used."""
+    shapes = []
+    moe.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    Engine(moe, max_batch=8, max_seq_len=64).generate(prompts(20, 3), GREEDY)
+    assert shapes[0] == (2, moe.config.vocab_size)  # the prefill's; decode steps follow
+
+
+def test_a_restart_after_a_stop_that_timed_out_serves_again(moe):
+    """stop() timed out mid-step, then start() returned without starting anything: the old thread left its loop
+    and every later request failed with EngineStopped."""
+    engine = Engine(moe, max_batch=2)
+    step, stepping = engine.step, threading.Event()
+
+    def slow():
+        stepping.set()
+        time.sleep(0.3)
+        return step()
+
+    engine.step = slow
+    aengine = AsyncEngine(engine).start()
+
+    def long_request() -> None:
+        with contextlib.suppress(EngineStopped):  # ended by the stop
+            aengine.generate_sync(prompts(3)[0], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+                                  timeout_s=30)
+
+    caller = threading.Thread(target=long_request)
+    caller.start()
+    assert stepping.wait(10)
+    aengine.stop(timeout_s=0.01)
+    engine.step = step
+    aengine.start()
+    try:
+        out = aengine.generate_sync(prompts(3)[0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                                    timeout_s=30)  # more steps than the old thread's last
+        assert out.samples[0].finish_reason == "length"
+    finally:
+        aengine.stop()
+        caller.join(10)
 
 
 def test_numpy_and_tensor_integers_are_token_ids_and_seeds(moe):

@@ -60,8 +60,14 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         self.error: BaseException | None = None
 
-    def start(self) -> AsyncEngine:
-        """Start the engine thread (again, after stop(): a stopped engine serves new requests once restarted)."""
+    def start(self, timeout_s: float = 10.0) -> AsyncEngine:
+        """Start the engine thread (again, after stop(): a stopped engine serves new requests once restarted).
+        The thread of a stop() that timed out is waited for up to timeout_s, then RuntimeError."""
+        if self._thread is not None and self._stop.is_set():  # stopping: it would leave, and nothing would serve
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError("the engine thread is still finishing its last step after stop(); start again later")
+            self._thread = None
         if self._thread is None:
             self._stop.clear()
             if isinstance(self.error, EngineStopped):

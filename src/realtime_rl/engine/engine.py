@@ -332,15 +332,16 @@ class Engine:
         slots = torch.tensor([r.seqs[0].slot for r in admitted])
         for req, start, n in zip(admitted, hits, lengths):
             self.slots.computed(req.seqs[0].slot, start, n)
-        with torch.no_grad():
-            out = self.model(ids.to(self.device), positions.to(self.device), kv_cache=self.cache,
-                             cache_slots=slots.to(self.device), capture_routing=self.capture_routing)
-        now = time.perf_counter()
         last = torch.tensor([n - s for n, s in zip(lengths, hits)]) - 1
-        logits_BV = out.logits_BTV[torch.arange(len(admitted)), last.to(self.device)]
-        if out.routing_BTLK is not None:
+        with torch.no_grad():  # the LM head at each row's last position only: [B, T, vocab] logits are GiBs
+            hidden_BTC, routing_BTLK = self.model.hidden_states(
+                ids.to(self.device), positions.to(self.device), kv_cache=self.cache, cache_slots=slots.to(self.device),
+                capture_routing=self.capture_routing)
+            logits_BV = self.model.lm_head(hidden_BTC[torch.arange(len(admitted)), last.to(self.device)])
+        now = time.perf_counter()
+        if routing_BTLK is not None:
             for b, (req, start) in enumerate(zip(admitted, hits)):
-                computed = out.routing_BTLK[b, : lengths[b] - start].cpu()
+                computed = routing_BTLK[b, : lengths[b] - start].cpu()
                 req.prompt_routing = torch.cat([reused_routing[b][:start], computed]) if start else computed
         rows: list[Seq] = []
         row_logits = []
@@ -482,11 +483,13 @@ class Engine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         results: dict[str, RequestOutput] = {}
         deadline = time.monotonic() + timeout_s
+        mine = set(ids)  # requests queued before (add_request, an earlier call that timed out) finish here too
         while len(results) < len(ids):
             if time.monotonic() > deadline:
                 for rid in ids:
                     self.abort(rid)
                 raise TimeoutError(f"generation did not finish within {timeout_s} s")
             for out in self.step():
-                results[out.request_id] = out
+                if out.request_id in mine:
+                    results[out.request_id] = out
         return [results[i] for i in ids]

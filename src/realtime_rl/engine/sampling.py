@@ -53,6 +53,10 @@ class SamplingParams:
                                "a list of integers or None"),
             "ignore_eos": (lambda x: isinstance(x, bool), "a bool"),
         }
+        if not isinstance(self.stop, (str, list, tuple)):  # an iterator would be used up by the checks below
+            raise ValueError(f"stop must be a list of strings, got {type(self.stop).__name__}")
+        if not isinstance(self.stop, str):
+            self.stop = list(self.stop)
         for name, (ok, kind) in types.items():
             if not ok(value := getattr(self, name)):
                 raise ValueError(f"{name} must be {kind}, got {value!r}")
@@ -63,7 +67,7 @@ class SamplingParams:
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0 <= self.top_k < 2**31, f"top_k must be in 0..2**31 - 1, got {self.top_k}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (1 <= self.n <= 128, f"n must be in 1..128, got {self.n}"),
             (0 <= self.top_logprobs <= 20, f"top_logprobs must be in 0..20, got {self.top_logprobs}"),
