@@ -13,7 +13,7 @@ import io
 import json
 import math
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -130,6 +130,17 @@ class Segment:
     @property
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
+
+    def through_last_generated(self) -> Segment:
+        """The segment up to its last generated token (itself when that ends it): what follows (a last turn's tool
+        results) fed no generation and trains nothing, yet a forward over it costs as much as over the rest."""
+        trained = np.flatnonzero(self.loss_mask)
+        end = int(trained[-1]) + 1 if len(trained) else len(self.token_ids)
+        if end == len(self.token_ids):
+            return self
+        return replace(self, token_ids=self.token_ids[:end], loss_mask=self.loss_mask[:end],
+                       logprobs=self.logprobs[:end], versions=self.versions[:end],
+                       routing=None if self.routing is None else self.routing[:end])
 
 
 EpisodeEnd = Literal["submit", "ask_user", "answer", "max_turns", "context_overflow"]

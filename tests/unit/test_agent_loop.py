@@ -281,6 +281,29 @@ def test_a_long_observation_is_cut_to_leave_room_for_the_summary_it_triggers(tok
     assert "[truncated: the rest did not fit in the context]" in tokenizer.decode(ep.segments[0].token_ids.tolist())
 
 
+def test_a_turn_that_would_not_fit_is_preceded_by_a_summary_below_the_trigger(tokenizer, task, sandbox):
+    """Summaries fired only past the trigger, and the overflow check came first: with room for less than
+    max_new_tokens below the trigger, the episode ended as context_overflow, its summaries unused."""
+    solution = task.reference_solution()["two_fer.py"]
+    head = len(tokenizer.encode(render_messages(first_turn_messages(task), TOOL_SCHEMAS)))
+    policy = SummarizingPolicy(tokenizer, [
+        tc("read_file", path="two_fer_test.py"),  # a few hundred tokens: below the trigger, past room for a turn
+        tc("write_file", path="two_fer.py", content=solution),
+        tc("submit"),
+    ], "Task: two_fer. Next I write the solution.")
+    cfg = AgentConfig(summary_trigger_tokens=head + 1900, max_context_tokens=head + 2000, max_new_tokens=1600)
+    ep = run_episode(policy, tokenizer, task, sandbox, cfg).episode
+    assert ep.ended_by == "submit" and policy.summary_calls == 1 and len(ep.segments) == 2
+
+
+def test_a_segment_records_the_nucleus_its_tokens_were_sampled_from(tokenizer, task, sandbox):
+    """top_p never reached the segment (always 1), so the trainer could not refuse truncated logprobs."""
+    model = Qwen3ForCausalLM(tiny_config(vocab_size=tokenizer.vocab_size)).eval()
+    cfg = AgentConfig(max_turns=1, max_new_tokens=8)
+    ep = run_episode(ModelPolicy(model, top_p=0.9, seed=0), tokenizer, task, sandbox, cfg).episode
+    assert ep.segments[0].top_p == 0.9
+
+
 def test_a_first_context_past_the_trigger_is_not_summarized_before_any_turn(tokenizer, task, sandbox):
     head = len(tokenizer.encode(render_messages(first_turn_messages(task), TOOL_SCHEMAS)))
     policy = SummarizingPolicy(tokenizer, [tc("submit")], "nothing yet")

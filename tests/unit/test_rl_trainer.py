@@ -501,6 +501,31 @@ def test_the_first_minibatch_is_its_own_proximal_policy_without_another_forward(
         assert torch.equal(again[1], first[1]) and not torch.equal(again[0], first[0])
 
 
+def test_tool_results_after_the_last_generated_token_are_not_run_through_the_model(tmp_path):
+    """An episode that ran out of turns ends with its last turn's tool results: they fed no generation and train
+    nothing, and the forward ran over them (thousands of positions after a turn of many reads)."""
+    engine = Engine(_model(), max_batch=32, max_seq_len=64)
+    episodes = _episodes(engine, 0)
+    padded = copy.deepcopy(episodes)
+    for e in padded:
+        seg, tail = e.segments[0], 40
+        unrouted = np.zeros((tail, *seg.routing.shape[1:]), seg.routing.dtype)
+        e.segments[0] = Segment(np.concatenate([seg.token_ids, np.full(tail, 7, np.int32)]),
+                                np.concatenate([seg.loss_mask, np.zeros(tail, bool)]),
+                                np.concatenate([seg.logprobs, np.zeros(tail, np.float32)]),
+                                np.concatenate([seg.versions, np.full(tail, -1, np.int32)]),
+                                np.concatenate([seg.routing, unrouted]))
+    widths = []
+    trainers = [RLTrainer(_model(), None, RLConfig(lr=1e-2), tmp_path / name) for name in ("plain", "padded")]
+    batch = trainers[1]._batch
+    trainers[1]._batch = lambda micro: widths.append(max(len(s.token_ids) for s, _ in micro)) or batch(micro)
+    trainers[0].step(episodes)
+    trainers[1].step(padded)
+    assert widths and max(widths) == max(len(e.segments[0].token_ids) for e in episodes)
+    for p, q in zip(trainers[0].model.parameters(), trainers[1].model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_killed_trainer_resumes_bit_exactly_and_never_retrains(tmp_path):
     engine = Engine(_model(), max_batch=32, max_seq_len=64)
     batches = [_episodes(engine, s) for s in range(4)]

@@ -60,6 +60,38 @@ def test_a_path_the_sandbox_could_not_write_is_refused_and_never_enters_the_work
     assert sorted(t.workspace.files) == ["a.py", "pkg/b.py"]
 
 
+@pytest.mark.parametrize("path, other", [("a.py/x", "a.py"), ("pkg", "pkg/b.py"), ("pkg/b.py/c/d", "pkg/b.py")])
+def test_a_file_at_or_under_another_file_is_refused(path, other):
+    """The sandbox cannot create a file under a file, nor a file where a directory is: once in the workspace,
+    every later test run and the grading failed, and no tool could delete it."""
+    t = tools()
+    out = call(t, "write_file", path=path, content="1")
+    assert out.error and f"the file {other} cannot both exist" in out.content
+    assert sorted(t.workspace.files) == ["a.py", "pkg/b.py"]
+
+
+def test_a_name_longer_than_the_file_system_takes_is_refused():
+    t = tools()
+    out = call(t, "write_file", path="d/" + "n" * 256, content="1")
+    assert out.error and "longer than 255 bytes" in out.content and sorted(t.workspace.files) == ["a.py", "pkg/b.py"]
+    assert not call(t, "write_file", path="n" * 255, content="1").error
+
+
+def test_a_test_run_reads_the_same_whatever_its_wall_time():
+    """pytest's summary line carries the run's seconds: the same run read differently to a seeded policy."""
+    class Runner:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def run_tests(self, files, test_files, timeout_s=None):
+            output = f"F.\nFAILED a_test.py::test_x - assert 1 in 2\n1 failed, 1 passed in {self.seconds}\n"
+            return type("Report", (), dict(ok=False, passed=1, failed=1, errors=0, output=output))()
+
+    fast, slow = (Tools(Workspace({"a.py": ""}), ["a_test.py"], Runner(s)).call("run_tests", "{}").content
+                  for s in ("0.02s", "13.71s (0:00:13)"))
+    assert fast == slow and fast.endswith("1 failed, 1 passed") and "assert 1 in 2" in fast
+
+
 def test_edit_fails_clearly_when_absent_or_ambiguous():
     t = tools()
     absent = call(t, "edit_file", path="a.py", old="z = 3", new="z = 4")

@@ -28,4 +28,4 @@ class EnginePolicy:
         # Behaviour logprobs are those of the distribution sampled from; the trainer recomputes at the same
         # temperature. Rollouts sample the whole distribution (top_p 1): the gate's evaluations alone truncate it.
         return PolicyOutput(sample.token_ids, sample.logprobs, sample.versions, sample.routing,
-                            self.temperature)
+                            self.temperature, self.top_p)

@@ -61,6 +61,8 @@ class PolicyOutput:
     """MoE routing of every input position of this call: [len(context) + len(token_ids) - 1, layers, k]."""
     temperature: float = 1.0
     """What the tokens were sampled at (the logprobs are of softmax(logits / temperature))."""
+    top_p: float = 1.0
+    """The nucleus they were sampled from (below 1 the logprobs are of a truncated distribution)."""
 
 
 class Policy(Protocol):
@@ -84,6 +86,7 @@ class _SegmentBuilder:
     routing: list[np.ndarray] = field(default_factory=list)
     routed: int = 0  # positions whose routing is recorded
     temperature: float | None = None
+    top_p: float | None = None
 
     def add_context(self, ids: list[int]) -> None:
         self.token_ids += ids
@@ -95,6 +98,9 @@ class _SegmentBuilder:
         if self.temperature is not None and out.temperature != self.temperature:
             raise ValueError(f"a segment sampled at temperatures {self.temperature} and {out.temperature}")
         self.temperature = out.temperature
+        if self.top_p is not None and out.top_p != self.top_p:
+            raise ValueError(f"a segment sampled with top_p {self.top_p} and {out.top_p}")
+        self.top_p = out.top_p
         start = len(self.token_ids)
         if out.routing is not None:
             # Keep inference's routing for the positions this call computed that we have not recorded.
@@ -119,6 +125,7 @@ class _SegmentBuilder:
             versions=np.asarray(self.versions, dtype=np.int32),
             routing=routing,
             temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
         )
 
 
@@ -195,9 +202,11 @@ def run_episode(
                                                        add_generation_prompt=True))
     segment_turns = 0  # turns since the segment began: a context with none has nothing to summarize
     while attempt_turns < config.max_turns:
-        # Self-summarize when the context is past its budget, then restart the segment from the summary.
-        if (len(seg.token_ids) > config.summary_trigger_tokens and attempt_summaries < config.max_summaries
-                and segment_turns > 0):
+        # Self-summarize when the context is past its budget, or the next turn would not fit in it, then restart
+        # the segment from the summary.
+        full = len(seg.token_ids) + len(assistant_prompt) + config.max_new_tokens > config.max_context_tokens
+        if ((len(seg.token_ids) > config.summary_trigger_tokens or full)
+                and attempt_summaries < config.max_summaries and segment_turns > 0):
             seg.add_context(summary_request)
             if len(seg.token_ids) + config.max_summary_tokens > config.max_context_tokens:
                 ended_by = "context_overflow"

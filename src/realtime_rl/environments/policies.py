@@ -63,4 +63,4 @@ class ModelPolicy:
         gen = generate(self.model, context_ids, max_new_tokens, stop_ids, self.temperature, self.top_p, seed)
         routing = gen.routing_TLK.numpy() if isinstance(gen.routing_TLK, torch.Tensor) else None
         return PolicyOutput(gen.token_ids, gen.logprobs, [self.version] * len(gen.token_ids), routing,
-                            self.temperature)
+                            self.temperature, self.top_p)

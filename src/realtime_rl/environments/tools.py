@@ -17,6 +17,7 @@ fresh sandbox after the episode (see grading.py).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -24,6 +25,11 @@ from typing import Any, Protocol
 
 MAX_FILE_BYTES = 256 * 1024
 MAX_FILES = 200
+NAME_MAX = 255
+"""The longest file or directory name Linux file systems take, in bytes."""
+PYTEST_TIME = re.compile(r"^(=* ?(?:no tests ran|\d+ (?:passed|failed|errors?|skipped|x?failed|xpassed|warnings?|"
+                         r"deselected)\b[^\n]*?)) in \d+(?:\.\d+)?s(?: \(\d+:\d\d:\d\d\))?(?=(?: =+)?$)", re.MULTILINE)
+"""pytest's summary line's wall time ("3 failed in 0.02s", "== 1 passed in 61.20s (0:01:01) ==")."""
 
 
 class TestReportLike(Protocol):
@@ -100,7 +106,16 @@ class Workspace:
         parts = [x for x in p.parts if x != "."]
         if not parts:
             raise ValueError(f"path {path!r} names the workspace itself, not a file")
+        if any(len(x.encode()) > NAME_MAX for x in parts):
+            raise ValueError(f"path {path!r} has a name longer than {NAME_MAX} bytes")
         return "/".join(parts)
+
+    def clash(self, path: str) -> str | None:
+        """The file that keeps a file at `path` (normalized) from being written: one at a parent of it
+        (`a.py` for `a.py/x`), or one below it (`src/a.py` for `src`); None if there is none."""
+        parents = ["/".join(path.split("/")[:i]) for i in range(1, path.count("/") + 1)]
+        return next((p for p in parents if p in self.files), None) or next(
+            (f for f in self.files if f.startswith(path + "/")), None)
 
     def snapshot(self) -> dict[str, str]:
         return dict(self.files)
@@ -163,6 +178,8 @@ class Tools:
             return ToolOutcome(f"error: file larger than {MAX_FILE_BYTES} bytes", error=True)
         if path not in self.workspace.files and len(self.workspace.files) >= MAX_FILES:
             return ToolOutcome(f"error: the workspace holds at most {MAX_FILES} files", error=True)
+        if (other := self.workspace.clash(path)) is not None:  # the sandbox could not write both: every later run
+            return ToolOutcome(f"error: {path} and the file {other} cannot both exist", error=True)  # would fail
         self.workspace.files[path] = content
         return ToolOutcome(f"wrote {path} ({len(content.splitlines())} lines)")
 
@@ -192,7 +209,8 @@ class Tools:
         self.test_results.append(report.ok)
         verdict = "all tests passed" if report.ok else "tests failed"
         head = f"{verdict}: {report.passed} passed, {report.failed} failed, {report.errors} errors"
-        return ToolOutcome(self._clip(f"{head}\n{report.output}".rstrip()), tests_passed=report.ok)
+        output = PYTEST_TIME.sub(r"\1", report.output)  # wall time: the same run must read the same to the policy
+        return ToolOutcome(self._clip(f"{head}\n{output}".rstrip()), tests_passed=report.ok)
 
     def _tool_ask_user(self, question: str) -> ToolOutcome:
         return ToolOutcome("(waiting for the user)", ends_episode=True, question=str(question))

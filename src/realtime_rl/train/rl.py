@@ -264,7 +264,8 @@ class RLTrainer:
             scaled = dict(zip((e.episode_id for e, _ in signal), length_normalized(
                 torch.tensor([a for _, a in signal]), torch.tensor([e.num_generated for e, _ in signal])).tolist()))
             trained = [(e, scaled.get(e.episode_id, 0.0)) for e, _ in trained]
-        items = [(s, a) for e, a in trained for s in e.segments if s.loss_mask.any()]
+        # each segment through its last generated token: a forward over the tool results after it trains nothing
+        items = [(s.through_last_generated(), a) for e, a in trained for s in e.segments if s.loss_mask.any()]
 
         stale = [staleness(e, self.version) for e in episodes]
         metrics: dict[str, float] = {
