@@ -1,9 +1,11 @@
-"""evaluate_policy's grading: a grading that timed out runs once more (a starved run is not a failed solution)."""
+"""Grading that timed out runs once more (a starved run is not a failed solution): evaluate_policy's, and the
+rollout workers' (grade_settled), whose episodes train on it."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import realtime_rl.environments.grading as grading
 import realtime_rl.evaluate.harness as harness
 from realtime_rl.config import AgentConfig
 from realtime_rl.environments.grading import GradeResult
@@ -23,8 +25,14 @@ def test_a_grading_that_timed_out_runs_once_more_and_a_second_timeout_stands(mon
         episode = Episode(f"e-{task.task_id}", task.task_id, [], "submit", 1, 0, 0, 0)
         return SimpleNamespace(episode=episode, workspace=SimpleNamespace(snapshot=dict))
 
-    monkeypatch.setattr(harness, "grade", grade)
+    monkeypatch.setattr(grading, "grade", grade)
     monkeypatch.setattr(harness, "run_episode", run_episode)
     report = harness.evaluate_policy(tasks, lambda i: None, None, None, None, AgentConfig())
     passed = {r.task_id: r.grades[0].passed for r in report.results}
     assert passed == {"starved": True, "loops": False} and calls == {"starved": 2, "loops": 2}
+
+
+def test_the_rollout_worker_grades_through_the_settled_grading():
+    from realtime_rl.rollout import worker
+
+    assert worker.grade_settled is grading.grade_settled and not hasattr(worker, "grade")

@@ -89,6 +89,15 @@ def calls_of(runner: object) -> Callable[..., CallReport]:
     return run_calls
 
 
+def grade_settled(task: Task, files: Mapping[str, str], sandbox: TestRunner, include_hidden: bool = True,
+                  timeout_s: float | None = None) -> GradeResult:
+    """`grade`, once more if it timed out: a run starved by a loaded machine must not count as a failed solution
+    (trained as one, or cached in an evaluation later candidates are compared with); one that loops times out
+    twice. A GradeCache keeps no timed-out run, so the second is a run."""
+    result = grade(task, files, sandbox, include_hidden, timeout_s)
+    return grade(task, files, sandbox, include_hidden, timeout_s) if result.timed_out else result
+
+
 def grade_values(task_id: str, cases: ValueCases, report: CallReport) -> GradeResult:
     """Compare what each call returned with its expected value, counting as a test run would: a call that
     raised or returned another value fails its test; a function that cannot be imported is an error per test

@@ -20,7 +20,7 @@ from typing import Any
 from realtime_rl.config import AgentConfig, EvalConfig
 from realtime_rl.environments import Task
 from realtime_rl.environments.agent_loop import Policy, run_episode
-from realtime_rl.environments.grading import GradeResult, grade, solution_files
+from realtime_rl.environments.grading import GradeResult, grade, grade_settled, solution_files
 from realtime_rl.environments.tools import TestRunner
 from realtime_rl.model.tokenizer import Tokenizer
 from realtime_rl.types import Episode
@@ -120,9 +120,7 @@ def evaluate_policy(
     def one(job: tuple[Task, int]) -> tuple[str, GradeResult, dict[str, Any]]:
         task, index = job
         result = run_episode(make_policy(index), tokenizer, task, runner, agent)
-        g = grade(task, result.workspace.snapshot(), grader, include_hidden, agent.test_timeout_s)
-        if g.timed_out:
-            g = grade(task, result.workspace.snapshot(), grader, include_hidden, agent.test_timeout_s)
+        g = grade_settled(task, result.workspace.snapshot(), grader, include_hidden, agent.test_timeout_s)
         result.episode.passed = g.passed
         return task.task_id, g, episode_summary(result.episode)
 

@@ -27,8 +27,8 @@ import torch
 
 from realtime_rl.config import RolloutConfig
 from realtime_rl.engine import AsyncEngine, Engine, EnginePolicy
-from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, grade, load_task, run_episode
-from realtime_rl.environments.grading import GradeCache
+from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, load_task, run_episode
+from realtime_rl.environments.grading import GradeCache, grade_settled
 from realtime_rl.environments.agent_loop import PolicyOutput
 from realtime_rl.environments.policies import task_seed
 from realtime_rl.environments.synthetic import SyntheticTask, holds_heldout_part, pick, split_size
@@ -166,8 +166,9 @@ class RolloutWorker:
             t0 = time.perf_counter()
             result = run_episode(policy, self.tokenizer, task, self.pool, agent, episode_id=f"{job.group_id}-{i}")
             t1 = time.perf_counter()
-            g = grade(task, result.workspace.snapshot(), self.grader, include_hidden=True,
-                      timeout_s=agent.test_timeout_s)
+            # a grading starved by the loaded machine runs once more: trained as a failure, it taught the reverse
+            g = grade_settled(task, result.workspace.snapshot(), self.grader, include_hidden=True,
+                              timeout_s=agent.test_timeout_s)
             episode = result.episode
             episode.group_id, episode.passed = job.group_id, g.passed
             episode.metadata.update(started_version=job.started_version, worker=self.worker_id,
