@@ -32,7 +32,11 @@ def test_a_grading_that_timed_out_runs_once_more_and_a_second_timeout_stands(mon
     assert passed == {"starved": True, "loops": False} and calls == {"starved": 2, "loops": 2}
 
 
-def test_the_rollout_worker_grades_through_the_settled_grading():
+def test_whatever_trains_grades_through_the_settled_grading():
+    """Rollout workers, simulated users' edits and the vs-trl reward: none grades once."""
+    from realtime_rl.bench import vs_trl
+    from realtime_rl.environments.users import session
     from realtime_rl.rollout import worker
 
-    assert worker.grade_settled is grading.grade_settled and not hasattr(worker, "grade")
+    for module in (worker, session, vs_trl):
+        assert module.grade_settled is grading.grade_settled and not hasattr(module, "grade"), module.__name__

@@ -375,6 +375,10 @@ def test_a_retry_must_repeat_its_content_typed_as_json(store):
     with pytest.raises(EventConflict, match="'typed-0' already recorded with different content"):
         store.add_events([changed])
     assert store.list_events()[0].attributes["ok"] is True
+    whole = make_events("whole", 1)[0]
+    whole.occurred_at, whole.window_s = 1700000000, None  # an int where the column is a float: the same retry
+    store.add_events([copy.deepcopy(whole)])
+    assert store.add_events([whole]).duplicates == ["whole-0"]
 
 
 def test_postgres_keeps_its_guarantees_whatever_the_roles_defaults(tmp_path):

@@ -49,7 +49,8 @@ import torch
 
 from realtime_rl.bench.vs_trl_curves import crossings, marks, monotone, per_step, ratio_intervals, snapshot_steps
 from realtime_rl.config import AgentConfig, SandboxConfig, TrainConfig, load_config
-from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, grade, load_task, run_episode
+from realtime_rl.environments import Sandbox, Task, WarmPool, generate_task, load_task, run_episode
+from realtime_rl.environments.grading import grade_settled
 from realtime_rl.environments.agent_loop import PolicyOutput, first_turn_messages
 from realtime_rl.environments.grading import GradeCache
 from realtime_rl.environments.synthetic import split_size
@@ -141,8 +142,9 @@ class FirstTurnReward:
     def one(self, index: int, completion_ids: list[int]) -> float:
         task = self.task(index)
         result = run_episode(_Replay(completion_ids), self.tokenizer, task, self.pool, self.agent)
-        return float(grade(task, result.workspace.snapshot(), self.grader, include_hidden=True,
-                           timeout_s=self.agent.test_timeout_s).passed)
+        # graded as our rollout workers grade (a timed-out run once more): the same reward function on both sides
+        return float(grade_settled(task, result.workspace.snapshot(), self.grader, include_hidden=True,
+                                   timeout_s=self.agent.test_timeout_s).passed)
 
     def batch(self, indices: list[int], completion_ids: list[list[int]]) -> list[float]:
         return list(self.executor.map(self.one, indices, completion_ids))

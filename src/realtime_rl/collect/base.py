@@ -240,7 +240,10 @@ class FeedbackEvent:
     def content_key(self) -> str:
         """content() as canonical JSON, what a retry must repeat: typed as the client's JSON was (in a dict
         comparison True == 1, so a retry that changed an attribute from true to 1 passed as a duplicate)."""
-        return json.dumps(self.content(), sort_keys=True)
+        content = self.content()
+        for name in ("value", "window_s", "occurred_at"):  # float columns: a stored 1 reads back as 1.0
+            content[name] = None if content[name] is None else float(content[name])
+        return json.dumps(content, sort_keys=True)
 
 
 @dataclass

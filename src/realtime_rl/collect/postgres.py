@@ -103,8 +103,8 @@ class PostgresEventStore(SqlEventStore):
             raise ValueError(f"cannot open the Postgres event store at {redact(self.url)}: {reason}") from None
         try:
             conn.execute("SET synchronous_commit = on")
-            # float8 as text round-trips only with 3 (12+'s default; a role or database may set 0: 15 digits, so a
-            # retry's 0.1 + 0.2 read back as 0.3 was a conflict, and stored times were rounded)
+            # float8 as text: 3 round-trips on every server version (12+ defaults to 1; a role or database may set 0:
+            # 15 digits, so a retry's 0.1 + 0.2 read back as 0.3 was a conflict, and stored times were rounded)
             conn.execute("SET extra_float_digits = 3")
             conn.execute(f"SET statement_timeout = {timeout_ms}")
         except BaseException:

@@ -8,7 +8,7 @@ for events, the sandbox for tests.
 A session's first request is the agent loop's first turn for the task (SYSTEM_PROMPT, task_prompt(task),
 the tool specs), with `user`, `metadata` {task_id, difficulty, session_id} and an X-Session-Id header, so
 the prompt tokens the gateway records are the loop's first-turn context. Each answer is applied to the
-task's workspace with the agent's own tools, graded with the task's visible and hidden tests (grading.grade,
+task's workspace with the agent's own tools, graded with the task's visible and hidden tests (grading.grade_settled,
 a fresh sandbox), and reacted to (model.react). Events carry client-chosen ids made once, so a retry after a
 503 or a dropped connection resends the same ids and the gateway stores each event once. Events due later
 (edit_persisted after the window, a later revert) wait in DelayedFeedback, so the user moves on meanwhile.
@@ -34,7 +34,7 @@ import openai
 
 from realtime_rl.config.users import SimulateUsersConfig
 from realtime_rl.environments.agent_loop import first_turn_messages
-from realtime_rl.environments.grading import grade
+from realtime_rl.environments.grading import grade_settled
 from realtime_rl.environments.tasks import Task
 from realtime_rl.environments.tools import (
     EDIT_TOOLS, QUESTION_TOOL, TOOL_SCHEMAS, TestRunner, ToolOutcome, Tools, Workspace,
@@ -274,8 +274,8 @@ class SimulatedUser:
     def _check_edit(self, task: Task, workspace: Workspace, answer: Answer) -> EditOutcome:
         """Grade the edited workspace (visible + hidden tests, fresh sandbox) and check the user's style on
         the files the edit touched."""
-        result = grade(task, workspace.snapshot(), self.sandbox, include_hidden=True,
-                       timeout_s=self.config.sandbox.wall_s)
+        result = grade_settled(task, workspace.snapshot(), self.sandbox, include_hidden=True,  # a starved run
+                               timeout_s=self.config.sandbox.wall_s)  # is no reverted edit
         tests = set(task.test_files)
         touched = set()
         for call in answer.tool_calls:
